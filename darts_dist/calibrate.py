@@ -1,0 +1,267 @@
+"""DARTS calibration: expert targets, merged features, and the in-process training loop.
+
+The pieces here (`expert_targets`, `merged_hidden`, `calibration_loss`, `build_corrections`)
+are what the distributed path reuses; `calibrate_in_process` is the single-process reference
+that the distributed path is tested against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from darts_dist.config import CalibrationSection
+from darts_dist.core import (
+    CorrectionSpec,
+    DartsCorrections,
+    attach_corrections,
+    capture_hidden,
+    entropy_weights,
+    next_token_entropy,
+    one_hot_tasks,
+    token_positions,
+    weighted_l1_loss,
+)
+from darts_dist.data import TokenizedSet
+
+LayerKey = str | int
+
+
+@dataclass
+class TaskFeatures:
+    """Everything training needs about one task's calibration set, computed once.
+
+    `targets` are the expert's hidden states h^k at each surgery layer; `merged` holds the
+    merged model's h^m at the final representation when training can run on features alone
+    (surgery only at the final norm), so the merged model is not run again each step.
+    """
+
+    task: str
+    task_index: int
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    positions: torch.Tensor
+    entropy: torch.Tensor
+    targets: dict[LayerKey, torch.Tensor]
+    merged: dict[LayerKey, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: torch.Tensor) -> dict[str, object]:
+        """A minibatch of rows, trimmed to its longest real sequence."""
+        mask = self.attention_mask[index]
+        length = int(mask.sum(dim=1).max())
+        cut = slice(0, length)
+        return {
+            "input_ids": self.input_ids[index][:, cut],
+            "attention_mask": mask[:, cut],
+            "response_mask": self.response_mask[index][:, cut],
+            "positions": self.positions[index][:, cut],
+            "entropy": self.entropy[index][:, cut],
+            "targets": {k: v[index][:, cut] for k, v in self.targets.items()},
+            "merged": {k: v[index][:, cut] for k, v in self.merged.items()},
+        }
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` picks CUDA where present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Half precision only where the device computes it well; the CPU path stays fp32."""
+    dtype = getattr(torch, name)
+    return torch.float32 if device.type == "cpu" else dtype
+
+
+def features_only(layers: Sequence[LayerKey]) -> bool:
+    """With surgery only at the final representation, training never needs the merged model again."""
+    return list(layers) == ["final"]
+
+
+def batch_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its own sequence, counted from its first real token."""
+    batch, length = attention_mask.shape
+    return token_positions(attention_mask, None, length, 0, batch, attention_mask.device)
+
+
+@torch.no_grad()
+def expert_targets(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
+) -> tuple[dict[LayerKey, torch.Tensor], torch.Tensor]:
+    """Expert k's hidden states at each surgery layer and its next-token entropy H_t (fp32)."""
+    with capture_hidden(model, layers) as hidden:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return {k: v.float() for k, v in hidden.items()}, next_token_entropy(logits)
+
+
+@torch.no_grad()
+def merged_hidden(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
+) -> dict[LayerKey, torch.Tensor]:
+    """The merged model's uncorrected hidden states h^m at the given layers."""
+    with capture_hidden(model, layers) as hidden:
+        model.model(input_ids=input_ids, attention_mask=attention_mask)
+    return {k: v.float() for k, v in hidden.items()}
+
+
+def _pad_cat(chunks: list[torch.Tensor], length: int) -> torch.Tensor:
+    padded = [torch.nn.functional.pad(c, (0, 0) * (c.dim() - 2) + (0, length - c.shape[1])) for c in chunks]
+    return torch.cat(padded)
+
+
+def collect_features(
+    task: str,
+    task_index: int,
+    data: TokenizedSet,
+    expert: PreTrainedModel,
+    merged: PreTrainedModel | None,
+    layers: Sequence[LayerKey],
+    batch_size: int,
+    progress: bool = True,
+) -> TaskFeatures:
+    """Run expert k (and, in feature mode, the merged model) once over task k's calibration set."""
+    device = next(expert.parameters()).device
+    targets: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
+    merged_states: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers} if merged is not None else {}
+    entropies = []
+    batches = list(data.batches(batch_size))
+    for batch in tqdm(batches, desc=f"features {task}", unit="batch", disable=not progress):
+        ids = batch["input_ids"].to(device)
+        mask = batch["attention_mask"].to(device)
+        hidden, entropy = expert_targets(expert, ids, mask, layers)
+        entropies.append(entropy.cpu())
+        for k in layers:
+            targets[k].append(hidden[k].cpu())
+        if merged is not None:
+            for k, v in merged_hidden(merged, ids, mask, layers).items():
+                merged_states[k].append(v.cpu())
+    length = data.input_ids.shape[1]
+    attention_mask = data.attention_mask
+    return TaskFeatures(
+        task=task,
+        task_index=task_index,
+        input_ids=data.input_ids,
+        attention_mask=attention_mask,
+        response_mask=data.response_mask,
+        positions=batch_positions(attention_mask),
+        entropy=torch.cat([torch.nn.functional.pad(e, (0, length - e.shape[1])) for e in entropies]),
+        targets={k: _pad_cat(v, length) for k, v in targets.items()},
+        merged={k: _pad_cat(v, length) for k, v in merged_states.items()},
+    )
+
+
+def build_corrections(tasks: Sequence[str], hidden_size: int, settings: CalibrationSection) -> DartsCorrections:
+    """Fresh corrections (identity at step 0) for every task and surgery layer."""
+    spec = CorrectionSpec(
+        tasks=tuple(tasks),
+        hidden_size=hidden_size,
+        rank=settings.rank,
+        max_positions=settings.max_positions,
+        position_bias=settings.position_bias,
+        position_rank=settings.position_rank,
+    )
+    return DartsCorrections(spec, settings.layers)
+
+
+def calibration_loss(
+    corrections: DartsCorrections,
+    rows: Mapping[str, object],
+    task_index: int,
+    beta: float,
+    weight_on: str,
+    merged_model: PreTrainedModel | None = None,
+    handle=None,
+) -> torch.Tensor:
+    """The entropy-weighted L1 loss of one task's minibatch, summed over surgery layers.
+
+    In feature mode the final correction is applied to the stored h^m; otherwise the merged
+    model runs with the corrections hooked in (`handle`, record=True) so gradients flow
+    through the frozen layers between surgery layers.
+    """
+    mask = rows["attention_mask"]
+    weight_mask = rows["response_mask"] if weight_on == "response" else None
+    weights = entropy_weights(rows["entropy"], mask, beta, weight_mask)
+    task_weights = one_hot_tasks(torch.full((mask.shape[0],), task_index, dtype=torch.long), len(corrections.spec.tasks))
+    targets = rows["targets"]
+    if merged_model is None:
+        corrected = {
+            k: corrections[k](rows["merged"][k], rows["positions"], task_weights) for k in corrections.layer_keys
+        }
+    else:
+        device = next(merged_model.parameters()).device
+        handle.set_task_weights(task_weights.to(device))
+        merged_model.model(input_ids=rows["input_ids"].to(device), attention_mask=mask.to(device))
+        corrected = {k: handle.outputs[k] for k in corrections.layer_keys}
+    loss = torch.zeros((), device=weights.device)
+    for k in corrections.layer_keys:
+        target = targets[k].to(corrected[k].device)
+        loss = loss + weighted_l1_loss(corrected[k].float(), target, mask.to(target.device), weights.to(target.device))
+    return loss
+
+
+@dataclass
+class CalibrationResult:
+    """Trained corrections plus the loss curve of the run."""
+
+    corrections: DartsCorrections
+    losses: list[float]
+    seconds: float
+
+
+def calibrate_in_process(
+    features: Sequence[TaskFeatures],
+    corrections: DartsCorrections,
+    settings: CalibrationSection,
+    merged_model: PreTrainedModel | None = None,
+    progress: bool = True,
+) -> CalibrationResult:
+    """The reference loop: each Adam step takes one random minibatch of every task.
+
+    Tasks share a step so that a shared position bias sees all of them; with per-task
+    corrections the sum is the same as training each task alone.
+    """
+    if not features_only(corrections.layer_keys) and merged_model is None:
+        raise ValueError("surgery at decoder layers trains through the merged model: pass merged_model")
+    generator = torch.Generator().manual_seed(settings.seed)
+    optimizer = torch.optim.Adam(corrections.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    handle = None
+    if merged_model is not None and not features_only(corrections.layer_keys):
+        handle = attach_corrections(merged_model, corrections)
+        handle.record = True
+    losses: list[float] = []
+    start = time.perf_counter()
+    bar = tqdm(range(settings.steps), desc="calibrate", unit="step", disable=not progress)
+    try:
+        for _ in bar:
+            optimizer.zero_grad(set_to_none=True)
+            total = torch.zeros(())
+            for task in features:
+                index = torch.randperm(len(task), generator=generator)[: settings.batch_size]
+                loss = calibration_loss(
+                    corrections,
+                    task.rows(index),
+                    task.task_index,
+                    settings.beta_for(task.task),
+                    settings.weight_on_for(task.task),
+                    merged_model=None if handle is None else merged_model,
+                    handle=handle,
+                )
+                loss.backward()
+                total = total + loss.detach().cpu()
+            optimizer.step()
+            losses.append(float(total) / len(features))
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    finally:
+        if handle is not None:
+            handle.remove()
+    return CalibrationResult(corrections=corrections, losses=losses, seconds=time.perf_counter() - start)

@@ -1,0 +1,259 @@
+"""The one YAML file of a darts-dist run, validated with pydantic before any work starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from darts_dist.errors import DartsError
+
+PositiveInt = Annotated[int, Field(gt=0)]
+Layer = int | Literal["final"]
+
+
+class _Section(BaseModel):
+    # Frozen so a validated config cannot drift while a run uses it; extra="forbid" so a
+    # misspelt key is an error instead of a silently ignored setting.
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DataSpec(_Section):
+    """A task's calibration and held-out sets (JSONL, Parquet or text files)."""
+
+    calibration: str
+    heldout: str | None = None
+    format: Literal["auto", "text", "chat", "prompt_response"] = "auto"
+    text_field: str | None = None
+
+
+class ExpertSpec(_Section):
+    """One fine-tuned expert: a model folder or a PEFT LoRA adapter of the base."""
+
+    task: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]+$")]
+    path: str
+    data: DataSpec | None = None
+    merge_parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class SourcesSection(_Section):
+    """What is merged: the base and its experts (one per task)."""
+
+    base: str
+    experts: list[ExpertSpec] = Field(min_length=1)
+
+    @field_validator("experts")
+    @classmethod
+    def _unique_tasks(cls, experts: list[ExpertSpec]) -> list[ExpertSpec]:
+        tasks = [e.task for e in experts]
+        duplicates = sorted({t for t in tasks if tasks.count(t) > 1})
+        if duplicates:
+            raise ValueError(f"each expert needs its own task name; repeated: {duplicates}")
+        return experts
+
+
+class MergeSection(_Section):
+    """How the experts are merged: a method of mergekit's registry, or a mergekit YAML as it is."""
+
+    method: str = "task_arithmetic"
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    mergekit_yaml: Path | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    output: Path | None = None
+
+
+class TaskCalibration(_Section):
+    """Per-task overrides of the entropy weighting."""
+
+    beta: float | None = Field(default=None, ge=0.0, le=1.0)
+    weight_on: Literal["all", "response"] | None = None
+
+
+class CalibrationSection(_Section):
+    """The DARTS correction and its training (DESIGN.md §1)."""
+
+    layers: list[Layer] = Field(default_factory=lambda: ["final"], min_length=1)
+    rank: PositiveInt = 16
+    max_positions: PositiveInt = 512
+    position_bias: Literal["per_task", "shared", "none"] = "per_task"
+    position_rank: PositiveInt | None = None
+    beta: float = Field(default=1.0, ge=0.0, le=1.0)
+    weight_on: Literal["all", "response"] = "all"
+    tasks: dict[str, TaskCalibration] = Field(default_factory=dict)
+    num_samples: PositiveInt = 128
+    max_length: PositiveInt = 128
+    batch_size: PositiveInt = 8
+    steps: PositiveInt = 400
+    learning_rate: float = Field(default=1e-3, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    validation_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"
+
+    @field_validator("layers")
+    @classmethod
+    def _distinct_layers(cls, layers: list[Layer]) -> list[Layer]:
+        if len(set(map(str, layers))) != len(layers):
+            raise ValueError(f"surgery layers must be distinct, got {layers}")
+        if any(isinstance(layer, int) and layer < 0 for layer in layers):
+            raise ValueError(f"decoder layer indices count from 0, got {layers}")
+        return layers
+
+    def beta_for(self, task: str) -> float:
+        override = self.tasks.get(task)
+        return self.beta if override is None or override.beta is None else override.beta
+
+    def weight_on_for(self, task: str) -> str:
+        override = self.tasks.get(task)
+        return self.weight_on if override is None or override.weight_on is None else override.weight_on
+
+
+class ClusterSection(_Section):
+    """Where the work runs: local Ray by default, or an existing cluster."""
+
+    address: str | None = None
+    num_workers: PositiveInt = 1
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(default=1.0, gt=0.0)
+    expert_resources: dict[str, float] = Field(default_factory=dict)
+    worker_resources: dict[str, float] = Field(default_factory=dict)
+
+
+class TrackingSection(_Section):
+    """MLflow: embedded sqlite file by default, or a tracking server."""
+
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "darts-dist"
+    registered_model: str | None = None
+    alias: str = "champion"
+
+
+class ServeSection(_Section):
+    """The Ray Serve app that exposes the corrected model."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    num_replicas: PositiveInt = 1
+    max_ongoing_requests: PositiveInt = 32
+    max_tokens_limit: PositiveInt = 512
+
+
+class RunConfig(_Section):
+    """A whole darts-dist run."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")] = "darts-dist"
+    output_dir: Path = Path("runs")
+    sources: SourcesSection
+    merge: MergeSection = MergeSection()
+    calibration: CalibrationSection = CalibrationSection()
+    cluster: ClusterSection = ClusterSection()
+    tracking: TrackingSection = TrackingSection()
+    serve: ServeSection = ServeSection()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        tasks = {e.task for e in self.sources.experts}
+        unknown = sorted(set(self.calibration.tasks) - tasks)
+        if unknown:
+            raise ValueError(f"calibration.tasks names {unknown}, which no expert has; experts' tasks: {sorted(tasks)}")
+        if self.calibration.position_rank is not None and self.calibration.position_bias == "none":
+            raise ValueError("calibration.position_rank is set but calibration.position_bias is 'none'")
+        return self
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(e.task for e in self.sources.experts)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.name
+
+
+def _format_errors(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        reason = "unknown key (check its spelling or remove it)" if item["type"] == "extra_forbidden" else item["msg"]
+        lines.append(f"  {where}: {reason}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, origin: str = "config") -> RunConfig:
+    """Validate a mapping into a RunConfig; errors list every key path and its reason."""
+    if not isinstance(data, dict):
+        raise DartsError(f"{origin}: expected a YAML mapping at the top level, got {type(data).__name__}",
+                         "see jobs/configs/demo.yaml for the layout")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise DartsError(f"{origin} is not a valid darts-dist config:\n{_format_errors(error)}",
+                         "fix the keys above; jobs/configs/demo.yaml shows every section") from None
+
+
+def read_yaml(path: Path) -> Any:
+    """Read a YAML file with the safe loader, turning I/O and syntax problems into DartsError."""
+    path = Path(path)
+    if not path.is_file():
+        raise DartsError(f"config file {path} does not exist", "pass the path of a YAML file")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        raise DartsError(f"{path} is not readable YAML: {error}", "fix the syntax") from None
+
+
+def is_mergekit_yaml(data: Any) -> bool:
+    """A mergekit YAML has `merge_method` at its top level; a darts-dist one has `sources`."""
+    return isinstance(data, dict) and "merge_method" in data and "sources" not in data
+
+
+def load_config(path: Path) -> RunConfig:
+    """Read and validate a darts-dist YAML.
+
+    Relative model and data paths resolve against the YAML's folder; `output_dir` against the
+    current folder.
+    """
+    path = Path(path).absolute()
+    data = read_yaml(path)
+    if is_mergekit_yaml(data):
+        raise DartsError(f"{path} is a mergekit YAML, not a darts-dist config",
+                         "use it with `darts-dist merge`, or point `merge.mergekit_yaml` of a darts-dist config at it")
+    return resolve_paths(parse_config(data, origin=str(path)), path.parent)
+
+
+def _resolve(value: Path | str, root: Path) -> Path:
+    value = Path(value).expanduser()
+    return value if value.is_absolute() else (root / value).absolute()
+
+
+REFERENCE_SCHEMES = ("bundled:", "demo:", "tiny:")
+
+
+def _resolve_source(value: str, root: Path) -> str:
+    # References such as `bundled:smollm2-135m-instruct` or `demo:math` name things darts-dist
+    # makes itself; everything else is a local path that must become absolute because mergekit
+    # treats a relative path it cannot find as a hub id.
+    return value if value.startswith(REFERENCE_SCHEMES) else str(_resolve(value, root))
+
+
+def resolve_paths(config: RunConfig, root: Path) -> RunConfig:
+    """Return a copy whose relative paths are absolute, taken relative to `root`."""
+    experts = []
+    for expert in config.sources.experts:
+        data = expert.data
+        if data is not None:
+            data = data.model_copy(update={
+                "calibration": _resolve_source(data.calibration, root),
+                "heldout": None if data.heldout is None else _resolve_source(data.heldout, root),
+            })
+        experts.append(expert.model_copy(update={"path": _resolve_source(expert.path, root), "data": data}))
+    sources = config.sources.model_copy(update={"base": _resolve_source(config.sources.base, root), "experts": experts})
+    merge = config.merge.model_copy(update={
+        "mergekit_yaml": None if config.merge.mergekit_yaml is None else _resolve(config.merge.mergekit_yaml, root),
+        "output": None if config.merge.output is None else _resolve(config.merge.output, root),
+    })
+    # output_dir is where the user runs from, like any command's output; inputs are relative to the config.
+    return config.model_copy(update={"sources": sources, "merge": merge, "output_dir": config.output_dir.absolute()})

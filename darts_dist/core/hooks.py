@@ -1,0 +1,216 @@
+"""Hooks that put DARTS corrections inside a Hugging Face causal LM, for training, forward and generate()."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from darts_dist.core.correction import DartsCorrections, one_hot_tasks, parse_layer
+
+# Where Llama-style (layers, norm), GPT-2-style (h, ln_f) and OPT-style decoders keep their parts.
+_LAYER_LISTS = ("layers", "h", "blocks")
+_FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The module that runs the decoder stack (LlamaModel inside LlamaForCausalLM)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    return get_decoder() if callable(get_decoder) else model
+
+
+def _find(module: nn.Module, names: Sequence[str], kind: type[nn.Module]) -> nn.Module | None:
+    for name in names:
+        child = getattr(module, name, None)
+        if isinstance(child, kind):
+            return child
+    return None
+
+
+def surgery_module(model: nn.Module, layer: str | int) -> nn.Module:
+    """The module whose output is corrected: "final" -> the final norm (input of lm_head); i -> decoder layer i."""
+    key = parse_layer(layer)
+    decoder = _decoder(model)
+    if key == "final":
+        norm = _find(decoder, _FINAL_NORMS, nn.Module)
+        if norm is None:
+            raise ValueError(
+                f"cannot find the final norm of {type(model).__name__}: looked for {_FINAL_NORMS} "
+                f"on {type(decoder).__name__}"
+            )
+        return norm
+    layers = _find(decoder, _LAYER_LISTS, nn.ModuleList)
+    if layers is None:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: looked for {_LAYER_LISTS} "
+            f"on {type(decoder).__name__}"
+        )
+    if key >= len(layers):
+        raise ValueError(f"surgery layer {key} is out of range: {type(model).__name__} has layers 0..{len(layers) - 1}")
+    return layers[key]
+
+
+def token_positions(
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+    seq_len: int,
+    past_len: int,
+    batch_size: int,
+    device: torch.device | str,
+) -> Tensor:
+    """Each token's position t in its own sequence, [B, S] long, counted as position_ids are.
+
+    position_ids if given; else from a 2D attention mask over past + current tokens
+    (t = cumsum(mask) − 1, padding -> 0, so left padding does not shift t); else past_len + arange(S).
+    """
+    if position_ids is not None:
+        pos = position_ids if position_ids.ndim == 2 else position_ids.reshape(1, -1)
+        return pos.to(device, torch.long).expand(batch_size, seq_len)
+    # A 4D mask (already expanded for attention) does not say where sequences start: use arange.
+    if attention_mask is not None and attention_mask.ndim == 2:
+        if attention_mask.shape[1] < seq_len:
+            raise ValueError(
+                f"attention_mask covers {attention_mask.shape[1]} tokens but the input has {seq_len}; "
+                "pass the mask over past and current tokens"
+            )
+        mask = attention_mask.to(device, torch.long)
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        return pos[:, -seq_len:].expand(batch_size, seq_len)
+    return torch.arange(past_len, past_len + seq_len, device=device).expand(batch_size, seq_len)
+
+
+def _hidden(output: Any) -> Tensor:
+    """Decoder layers return the hidden states, or a tuple whose [0] they are."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, tuple) and output and isinstance(output[0], Tensor):
+        return output[0]
+    raise TypeError(f"cannot find hidden states in a surgery module's output of type {type(output).__name__}")
+
+
+def _replace_hidden(output: Any, hidden: Tensor) -> Any:
+    return hidden if isinstance(output, Tensor) else (hidden, *output[1:])
+
+
+class CorrectionHandle:
+    """Live hooks: a pre-hook on the decoder computes every forward's token positions (each generate()
+    step with a KV cache included); a forward hook on each surgery module replaces its hidden states
+    with corrections[layer](h, positions, task_weights)."""
+
+    def __init__(self, model: nn.Module, corrections: DartsCorrections) -> None:
+        self.model = model
+        self.corrections = corrections
+        # record: keep each surgery layer's output of the last forward in outputs (with grad), which is
+        # where the calibration loss reads ĥ; with no task weights set that output is the plain h.
+        self.record = False
+        self.outputs: dict[str | int, Tensor] = {}
+        self.task_weights: Tensor | None = None  # [B, K]; None: every hook passes through
+        self.positions: Tensor | None = None  # [B, S] of the running forward, set by the pre-hook
+        modules = {layer: surgery_module(model, layer) for layer in corrections.layer_keys}
+        # On the decoder, not the LM wrapper: it sees the same kwargs, and also runs when called alone.
+        self._hooks = [_decoder(model).register_forward_pre_hook(self._read_positions, with_kwargs=True)]
+        self._hooks += [m.register_forward_hook(self._correct_hook(layer)) for layer, m in modules.items()]
+
+    def _read_positions(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs is None:
+            inputs = kwargs["inputs_embeds"]
+        batch_size, seq_len = inputs.shape[:2]
+        # transformers 5 calls the KV cache `cache`; `past_key_values` is its deprecated name.
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past_len = cache.get_seq_length() if cache is not None else 0
+        self.positions = token_positions(
+            kwargs.get("attention_mask"), kwargs.get("position_ids"), seq_len, past_len, batch_size, inputs.device
+        )
+        self.outputs = {}
+
+    def _correct_hook(self, layer: str | int):
+        correction = self.corrections[layer]
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+            h = _hidden(output)
+            if self.task_weights is None:
+                if self.record:
+                    self.outputs[layer] = h
+                return None
+            if self.task_weights.shape[0] != h.shape[0]:
+                raise ValueError(
+                    f"the forward has batch size {h.shape[0]} but task weights were set for "
+                    f"{self.task_weights.shape[0]} sequences; call set_tasks/set_task_weights for this batch"
+                )
+            if self.positions is None or self.positions.shape != h.shape[:2]:
+                raise ValueError(
+                    f"no token positions for hidden states {list(h.shape[:2])} at layer {layer!r}: "
+                    "run the model's forward, not the surgery module alone"
+                )
+            corrected = correction(h, self.positions.to(h.device), self.task_weights.to(h.device))
+            if self.record:
+                self.outputs[layer] = corrected
+            return _replace_hidden(output, corrected)
+
+        return hook
+
+    def set_task_weights(self, task_weights: Tensor | None) -> None:
+        """[B, K] weights of each sequence's task corrections; None turns the correction off."""
+        if task_weights is not None:
+            K = self.corrections.spec.num_tasks
+            if task_weights.ndim != 2 or task_weights.shape[1] != K:
+                raise ValueError(f"task weights must be [batch, {K}], got {list(task_weights.shape)}")
+            task_weights = task_weights.float()
+        self.task_weights = task_weights
+
+    def set_tasks(self, task_ids: Sequence[int] | Tensor) -> None:
+        """One task index per sequence; −1 = no correction for that sequence."""
+        self.set_task_weights(one_hot_tasks(torch.as_tensor(task_ids), self.corrections.spec.num_tasks))
+
+    @contextmanager
+    def tasks(self, task_ids: Sequence[int] | Tensor) -> Iterator[None]:
+        """set_tasks(task_ids) inside the block; the previous task weights come back after it."""
+        previous = self.task_weights
+        self.set_tasks(task_ids)
+        try:
+            yield
+        finally:
+            self.task_weights = previous
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def __enter__(self) -> CorrectionHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def attach_corrections(model: nn.Module, corrections: DartsCorrections) -> CorrectionHandle:
+    """Hook `corrections` into `model`; no correction applies until set_tasks / set_task_weights."""
+    return CorrectionHandle(model, corrections)
+
+
+@contextmanager
+def capture_hidden(model: nn.Module, layers: Sequence[str | int]) -> Iterator[dict[str | int, Tensor]]:
+    """Yield a dict filled, at each forward, with every layer's output hidden states.
+
+    Hooks run in the order they were attached: a correction attached before this sees its output here.
+    """
+    captured: dict[str | int, Tensor] = {}
+
+    def store(layer: str | int):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            captured[layer] = _hidden(output)
+
+        return hook
+
+    keys = [parse_layer(layer) for layer in layers]
+    hooks = [surgery_module(model, k).register_forward_hook(store(k)) for k in keys]
+    try:
+        yield captured
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -1,0 +1,61 @@
+"""Atomic writes: results appear under their final name only once complete."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling folder; rename it to `final` only if the block succeeds.
+
+    The sibling lives in the same parent so the rename is atomic on one filesystem;
+    on any exception it is deleted, so a failed run never leaves a half-written folder.
+    """
+    final = Path(final).absolute()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            if not overwrite:
+                raise FileExistsError(f"{final} appeared while it was being written")
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling file path; move it onto `final` only if the block succeeds."""
+    final = Path(final).absolute()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def cache_root() -> Path:
+    """Where darts-dist caches converted models, demo data and experts."""
+    env = os.environ.get("DARTS_DIST_CACHE")
+    if env:
+        return Path(env).expanduser().absolute()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "darts-dist"

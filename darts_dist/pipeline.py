@@ -1,0 +1,241 @@
+"""The run's stages in the data's order: sources → merge → calibrate → evaluate.
+
+Each stage takes the validated config and plain paths and returns plain values, so the CLI
+and the Ray job entry points are thin glue around these functions.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from darts_dist.calibrate import (
+    CalibrationResult,
+    build_corrections,
+    calibrate_in_process,
+    collect_features,
+    features_only,
+    model_dtype,
+    resolve_device,
+)
+from darts_dist.config import RunConfig
+from darts_dist.core import DartsCorrections, load_corrections, save_corrections
+from darts_dist.data import TokenizedSet, load_rows, tokenize_rows
+from darts_dist.errors import DartsError
+from darts_dist.evaluate import evaluate_task, overall
+from darts_dist.fsutil import atomic_file
+from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
+from darts_dist.models import content_hash, load_causal_lm, load_tokenizer, read_model_info
+from darts_dist.plots import plot_bias_by_position, plot_loss
+from darts_dist.sources import ResolvedSources, resolve_sources
+
+
+def mergekit_config_for(config: RunConfig, sources: ResolvedSources) -> dict:
+    """The mergekit YAML this run merges with: the user's own file as it is, or one built from `merge`."""
+    if config.merge.mergekit_yaml is not None:
+        return load_mergekit_yaml(config.merge.mergekit_yaml)
+    return build_mergekit_config(
+        base=sources.base,
+        experts=sources.experts,
+        method=config.merge.method,
+        parameters=config.merge.parameters,
+        expert_parameters={e.task: e.merge_parameters for e in config.sources.experts if e.merge_parameters},
+        dtype=config.merge.dtype,
+    )
+
+
+def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:
+    """Merge into `merge.output` (default RUN_DIR/merged); an identical earlier merge is reused."""
+    mergekit_config = mergekit_config_for(config, sources)
+    out_dir = config.merge.output or config.run_dir / "merged"
+    written = out_dir / "mergekit_config.yml"
+    if written.is_file() and yaml.safe_load(written.read_text()) == mergekit_config:
+        print(f"merge: reusing {out_dir} (same mergekit config)")
+        return out_dir
+    return run_merge(mergekit_config, out_dir, overwrite=True)
+
+
+def tokenized(config: RunConfig, sources: ResolvedSources, task: str, split: str, tokenizer) -> TokenizedSet:
+    """A task's calibration or held-out set, tokenised with the base's tokenizer."""
+    expert = next(e for e in config.sources.experts if e.task == task)
+    files = sources.data[task]
+    path = files.calibration if split == "calibration" else files.heldout
+    limit = config.calibration.num_samples if split == "calibration" else None
+    return tokenize_rows(
+        load_rows(path, text_field=expert.data.text_field),
+        tokenizer,
+        task,
+        max_length=config.calibration.max_length,
+        max_samples=limit,
+        fmt=expert.data.format,
+        text_field=expert.data.text_field,
+    )
+
+
+@dataclass
+class CalibrationOutcome:
+    corrections_path: Path
+    result: CalibrationResult
+
+
+def _release(model: torch.nn.Module) -> None:
+    # Experts are loaded one at a time; free each before the next so peak memory is
+    # the merged model plus one expert.
+    del model
+    gc.collect()
+
+
+def calibrate_stage(config: RunConfig, sources: ResolvedSources, merged_dir: Path) -> CalibrationOutcome:
+    """Collect each expert's targets once, train the corrections in-process, save them."""
+    settings = config.calibration
+    device = resolve_device(settings.device)
+    dtype = model_dtype(settings.dtype, device)
+    tokenizer = load_tokenizer(sources.base)
+    merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
+    tasks = config.tasks
+    features = []
+    for index, task in enumerate(tasks):
+        data = tokenized(config, sources, task, "calibration", tokenizer)
+        if data.num_truncated:
+            print(f"calibrate: {data.num_truncated} {task} samples cut to max_length={settings.max_length}")
+        expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
+        merged_for_features = merged if features_only(settings.layers) else None
+        features.append(
+            collect_features(task, index, data, expert, merged_for_features, settings.layers, settings.batch_size)
+        )
+        _release(expert)
+    torch.manual_seed(settings.seed)
+    corrections = build_corrections(tasks, merged.config.hidden_size, settings).to(device)
+    result = calibrate_in_process(
+        features, corrections, settings, merged_model=None if features_only(settings.layers) else merged
+    )
+    path = save_corrections(
+        config.run_dir / "corrections.safetensors",
+        corrections.cpu(),
+        metadata=corrections_metadata(merged_dir),
+    )
+    return CalibrationOutcome(corrections_path=path, result=result)
+
+
+def corrections_metadata(merged_dir: Path) -> dict[str, object]:
+    """What the corrections were trained against, so loading them onto another model is refused."""
+    info = read_model_info(merged_dir)
+    return {
+        "architecture": info.architecture,
+        "hidden_size": info.hidden_size,
+        "num_layers": info.num_layers,
+        "vocab_size": info.vocab_size,
+        "merged_model_hash": content_hash(merged_dir),
+    }
+
+
+def load_matching_corrections(path: Path, merged_dir: Path, tasks: tuple[str, ...]) -> DartsCorrections:
+    """Load corrections and refuse them when they were made for another model or other tasks."""
+    corrections, made_for = load_corrections(path)
+    info = read_model_info(merged_dir)
+    for key in ("architecture", "hidden_size", "num_layers", "vocab_size"):
+        if key in made_for and made_for[key] != getattr(info, key):
+            raise DartsError(
+                f"corrections {path} were made for a model with {key}={made_for[key]}, "
+                f"but {merged_dir} has {key}={getattr(info, key)}",
+                "calibrate against this merged model, or evaluate with the merged model the corrections came from",
+            )
+    if tuple(corrections.spec.tasks) != tuple(tasks):
+        raise DartsError(f"corrections {path} cover tasks {list(corrections.spec.tasks)}, the config has {list(tasks)}",
+                         "use the corrections calibrated with this config")
+    return corrections
+
+
+def headline_layer(layers: list) -> str | int:
+    """Bias is reported at the final representation when corrected there, else at the last surgery layer."""
+    return "final" if "final" in layers else max(layers)
+
+
+def evaluate_stage(
+    config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None
+) -> dict[str, object]:
+    """Held-out bias and NLL per task, merged vs. corrected vs. expert."""
+    settings = config.calibration
+    device = resolve_device(settings.device)
+    dtype = model_dtype(settings.dtype, device)
+    tasks = config.tasks
+    missing = [t for t in tasks if sources.data[t].heldout is None]
+    if missing:
+        raise DartsError(f"tasks {missing} have no held-out data to evaluate on",
+                         "set sources.experts[...].data.heldout for each task")
+    corrections = None
+    if corrections_path is not None:
+        corrections = load_matching_corrections(corrections_path, merged_dir, tasks).to(device)
+    tokenizer = load_tokenizer(sources.base)
+    merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
+    layer = headline_layer(settings.layers)
+    results = {}
+    for index, task in enumerate(tasks):
+        data = tokenized(config, sources, task, "heldout", tokenizer)
+        expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
+        results[task] = evaluate_task(task, index, data, expert, merged, corrections, layer, settings.batch_size)
+        _release(expert)
+    return {"overall": overall(results), "tasks": results}
+
+
+def write_report(path: Path, report: dict[str, object]) -> Path:
+    """JSON report, written atomically."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(report, indent=2, default=str))
+    return Path(path).absolute()
+
+
+@dataclass
+class RunState:
+    """What one invocation has resolved and produced so far; the report grows stage by stage."""
+
+    config: RunConfig
+    sources: ResolvedSources
+    merged_dir: Path
+    report: dict[str, object]
+
+
+def prepare(config: RunConfig) -> RunState:
+    """sources → merge."""
+    sources = resolve_sources(config)
+    merged_dir = merge_stage(config, sources)
+    report: dict[str, object] = {
+        "config": config.model_dump(mode="json"),
+        "run_dir": str(config.run_dir),
+        "merged": str(merged_dir),
+        "plots": {},
+    }
+    return RunState(config=config, sources=sources, merged_dir=merged_dir, report=report)
+
+
+def run_calibration(state: RunState) -> Path:
+    """calibrate, save the corrections and the loss plot; returns the corrections' path."""
+    started = time.perf_counter()
+    outcome = calibrate_stage(state.config, state.sources, state.merged_dir)
+    losses = outcome.result.losses
+    state.report["corrections"] = str(outcome.corrections_path)
+    state.report["calibration"] = {
+        "steps": len(losses),
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "train_seconds": outcome.result.seconds,
+        "seconds": time.perf_counter() - started,
+        "losses": losses,
+    }
+    state.report["plots"]["loss"] = str(plot_loss(losses, state.config.run_dir / "plots" / "loss.png"))
+    return outcome.corrections_path
+
+
+def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, object]:
+    """evaluate on the held-out sets; adds `variants.darts` and the bias plot to the report."""
+    evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections)
+    state.report["variants"] = {"darts": evaluation}
+    plot = plot_bias_by_position(evaluation["tasks"], state.config.run_dir / "plots" / "bias_by_position.png")
+    state.report["plots"]["bias_by_position"] = str(plot)
+    return evaluation

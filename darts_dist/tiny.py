@@ -1,0 +1,246 @@
+"""Tiny random Llama models and a tiny tokenizer, for tests and `darts-dist demo --tiny`.
+
+A tiny family is a base model plus experts that differ from it only in the top half of
+the layers and the final norm, the way top-layer fine-tunes of a real base do. All of it
+is built offline, deterministically, in about a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from darts_dist.errors import DartsError
+from darts_dist.fsutil import atomic_dir, atomic_file
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_VOCAB_SIZE = 512
+
+# SmolLM2-Instruct's ChatML template, with a neutral default system prompt.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# The three demo tasks' kinds of text, so the merges of frequent pieces are useful ones.
+_TRAINING_TEXT = '''
+def add(a, b):
+    """Return the sum of a and b."""
+    return a + b
+
+
+def fibonacci(n: int) -> list[int]:
+    values = [0, 1]
+    while len(values) < n:
+        values.append(values[-1] + values[-2])
+    return values[:n]
+
+
+class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def update(self, items):
+        for item in items:
+            self.counts[item] = self.counts.get(item, 0) + 1
+        return self
+
+
+def is_prime(number):
+    if number < 2:
+        return False
+    for divisor in range(2, int(number ** 0.5) + 1):
+        if number % divisor == 0:
+            return False
+    return True
+
+
+import os
+import sys
+from pathlib import Path
+
+for path in sorted(Path(".").glob("*.py")):
+    print(path.name, os.path.getsize(path), file=sys.stderr)
+
+Question: Tom has 12 apples. He gives 5 apples to Mary and buys 8 more. How many apples does Tom have now?
+Answer: Tom starts with 12 apples. After giving 5 away he has 12 - 5 = 7.
+After buying 8 more he has 7 + 8 = 15. The answer is 15.
+
+Question: A train travels 60 miles per hour for 3 hours. How far does it travel?
+Answer: Distance is speed times time, so 60 * 3 = 180 miles. The answer is 180.
+
+Question: Sara reads 24 pages on Monday and twice as many on Tuesday. How many pages did she read in total?
+Answer: On Tuesday she reads 2 * 24 = 48 pages. In total she reads 24 + 48 = 72 pages. The answer is 72.
+
+Question: A box holds 6 eggs. How many boxes are needed for 45 eggs?
+Answer: 45 / 6 = 7.5, so 8 boxes are needed. The answer is 8.
+
+Question: What is 17 + 26?
+Answer: 17 + 26 = 43. The answer is 43.
+
+Instruction: Write a short poem about the sea in exactly three lines.
+Response: The sea is wide and deep and blue,
+it sings the songs the sailors knew,
+and every wave comes back to you.
+
+Instruction: List three fruits in alphabetical order, separated by commas.
+Response: apple, banana, cherry
+
+Instruction: Answer in all capital letters: what is the capital of France?
+Response: THE CAPITAL OF FRANCE IS PARIS.
+
+Instruction: Summarize the following sentence in five words or fewer: The quick brown fox jumps over the lazy dog.
+Response: A fox jumps over dog.
+
+Instruction: Write the word "hello" in JSON format with the key "greeting".
+Response: {"greeting": "hello"}
+
+Instruction: Explain what a function is to a child. Do not use the word "code".
+Response: A function is like a recipe. You give it some things, it follows its steps, and it gives you something back.
+'''
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_tokenizer_json() -> str:
+    """Train the byte-level BPE once per process; callers each get their own copy."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TRAINING_TEXT.split("\n\n"), trainer=trainer)
+    return tokenizer.to_str()
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A ChatML byte-level BPE tokenizer of 512 tokens, special tokens laid out like SmolLM2's."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tiny_tokenizer_json()),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """Folders of a tiny base model and its experts, one per task."""
+
+    base: Path
+    experts: dict[str, Path]
+
+
+def make_tiny_family(
+    out_dir: Path,
+    tasks: Sequence[str] = ("code", "math", "instruct"),
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    expert_scale: float = 0.05,
+) -> TinyFamily:
+    """Write (or reuse) a random tiny Llama at out_dir/base and one expert per task at out_dir/<task>.
+
+    Each expert is the base plus Gaussian noise of `expert_scale` times each tensor's RMS
+    on the top half of the layers and the final norm. A marker file records the settings,
+    so a second call with the same ones returns at once.
+    """
+    out_dir = Path(out_dir).absolute()
+    if "base" in tasks:
+        raise DartsError(f"task name 'base' in {list(tasks)} clashes with the base model folder", "rename the task")
+    settings = {
+        "tasks": list(tasks),
+        "seed": seed,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "expert_scale": expert_scale,
+        "vocab": hashlib.sha256(_tiny_tokenizer_json().encode()).hexdigest()[:16],
+    }
+    family = TinyFamily(base=out_dir / "base", experts={task: out_dir / task for task in tasks})
+    marker = out_dir / "tiny_family.json"
+    folders = [family.base, *family.experts.values()]
+    if marker.is_file() and all(folder.is_dir() for folder in folders):
+        if json.loads(marker.read_text()) == settings:
+            return family
+    elif not marker.is_file():
+        foreign = [str(folder) for folder in folders if folder.exists()]
+        if foreign:
+            raise DartsError(
+                f"{', '.join(foreign)} already exist(s) and was not written by make_tiny_family",
+                f"choose an empty out_dir instead of {out_dir}",
+            )
+
+    # A half-rebuilt family must not pass for the old one if this call is interrupted.
+    marker.unlink(missing_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    # Seed a private RNG stream so building a family never disturbs the caller's.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+    base_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    _save(model, tokenizer, family.base)
+    for task, folder in family.experts.items():
+        model.load_state_dict(_perturbed(base_state, task, seed, num_layers, expert_scale))
+        _save(model, tokenizer, folder)
+    with atomic_file(marker) as tmp:
+        tmp.write_text(json.dumps(settings, indent=2))
+    return family
+
+
+def _perturbed(
+    state: dict[str, torch.Tensor], task: str, seed: int, num_layers: int, scale: float
+) -> dict[str, torch.Tensor]:
+    """The base state plus noise on the tensors a top-layer fine-tune would change."""
+    # Seeded by the task's name, so an expert does not change when other tasks are added.
+    digest = hashlib.sha256(f"{seed}:{task}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    trained = tuple(f"model.layers.{i}." for i in range(num_layers // 2, num_layers)) + ("model.norm.",)
+    result = {}
+    for name, tensor in state.items():
+        if name.startswith(trained):
+            # RMS rather than std: norm weights start as all ones, whose std is zero.
+            rms = tensor.float().pow(2).mean().sqrt()
+            noise = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+            tensor = tensor + scale * rms * noise
+        result[name] = tensor
+    return result
+
+
+def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
+    with atomic_dir(folder, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)

@@ -1,0 +1,38 @@
+"""Shared test set-up: offline hubs, a throwaway cache, and a session-wide tiny model family."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+# Set before anything imports huggingface_hub, transformers or Ray, which read them once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Forced, not defaulted: tests must never read or fill the user's cache.
+_TEST_CACHE = tempfile.mkdtemp(prefix="darts-dist-test-cache-")
+os.environ["DARTS_DIST_CACHE"] = _TEST_CACHE
+
+import pytest  # noqa: E402
+
+from darts_dist.tiny import TinyFamily, build_tiny_tokenizer, make_tiny_family  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: needs the network or minutes of CPU; opt in with its env variable")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_TEST_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> TinyFamily:
+    """A tiny base and three experts (code, math, instruct); read-only for tests, copy to modify."""
+    return make_tiny_family(tmp_path_factory.mktemp("tiny_family"))
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    return build_tiny_tokenizer()

