@@ -18,7 +18,7 @@ from darts_dist.errors import DartsError
 
 # Wide enough for the result table when output goes to a file or CI log (rich assumes 80 there).
 console = Console(width=None if sys.stdout.isatty() else 140)
-errors = Console(stderr=True)
+errors = Console(stderr=True, soft_wrap=True)  # paths in messages stay on one line
 
 TABLE_COLUMNS = {
     "bias_before": "bias merged",
@@ -78,6 +78,9 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 
 def cmd_merge(args: argparse.Namespace) -> None:
+    if args.out.exists() and not args.overwrite:
+        raise DartsError(f"merge output folder {args.out.absolute()} already exists",
+                         "choose a new --out folder, or pass --overwrite to replace it")
     data = read_yaml(args.config)
     if is_mergekit_yaml(data):
         from darts_dist.merge import load_mergekit_yaml, run_merge

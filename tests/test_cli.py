@@ -1,0 +1,169 @@
+"""The `darts-dist` command line: the tiny demo end to end, and bad input refused cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from darts_dist.cli import main
+from darts_dist.core import read_header
+
+SUBCOMMANDS = ("demo", "merge", "calibrate", "evaluate", "validate")
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "darts_dist.cli", *args], cwd=cwd, capture_output=True, text=True, env=os.environ.copy(),
+        timeout=600,
+    )
+
+
+def test_help_lists_the_subcommands(tmp_path: Path) -> None:
+    result = run_cli("--help", cwd=tmp_path)
+    assert result.returncode == 0
+    for name in SUBCOMMANDS:
+        assert name in result.stdout
+
+
+def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    result = run_cli("demo", "--tiny", "--steps", "30", "--report", str(report_path), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "held-out, merged vs. DARTS" in result.stdout and "overall" in result.stdout
+    report = json.loads(report_path.read_text())
+    run_dir = tmp_path / "runs" / "tiny"
+    assert report["corrections"] == str(run_dir / "corrections.safetensors")
+    assert read_header(run_dir / "corrections.safetensors")["spec"]["tasks"] == ["code", "math", "instruct"]
+    assert (run_dir / "merged" / "model.safetensors").is_file()
+    assert report["calibration"]["steps"] == 30
+    assert report["calibration"]["final_loss"] < report["calibration"]["first_loss"]
+    darts = report["variants"]["darts"]
+    assert set(darts["tasks"]) == {"code", "math", "instruct"}
+    for task in darts["tasks"].values():
+        assert task["bias_after"] < task["bias_before"]
+    assert darts["overall"]["bias_reduction"] > 0.1
+    for plot in report["plots"].values():
+        assert Path(plot).read_bytes().startswith(b"\x89PNG")
+    assert str(report_path) in result.stdout  # says where it wrote
+
+
+@pytest.fixture
+def user_config(tiny_family, tmp_path: Path):
+    """A darts-dist config over the tiny family with local data files, and a writer for variants."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for task in ("code", "math"):
+        rows = [{"text": f"def f_{task}_{i}(x):\n    return x + {i}\n"} for i in range(12)]
+        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {
+        "name": "user",
+        "sources": {
+            "base": str(tiny_family.base),
+            "experts": [
+                {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": f"data/{t}.jsonl"}}
+                for t in ("code", "math")
+            ],
+        },
+        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
+        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "steps": 3},
+    }
+
+    def write(patch=None) -> Path:
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump(patch(config) if patch else config))
+        return path
+
+    return write
+
+
+def _fails_cleanly(config_path: Path, tmp_path: Path, capsys, *expected: str) -> None:
+    out = tmp_path / "out"
+    code = main(["calibrate", str(config_path), "--output-dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    for text in expected:
+        assert text in err, err
+    assert "fix:" in err
+    # Nothing half-written: no run folder, no temp siblings.
+    assert not (out / "user").exists()
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_calibrate_with_a_user_config_writes_corrections(user_config, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert main(["calibrate", str(user_config()), "--output-dir", str(out)]) == 0
+    assert (out / "user" / "corrections.safetensors").is_file()
+    assert str(out / "user" / "corrections.safetensors") in capsys.readouterr().out
+
+
+def test_mismatched_vocabulary_is_refused_before_loading(user_config, tiny_family, tmp_path: Path, capsys) -> None:
+    other = tmp_path / "other_vocab"
+    shutil.copytree(tiny_family.experts["math"], other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] += 7
+    (other / "config.json").write_text(json.dumps(config))
+    (other / "model.safetensors").write_bytes(b"not loaded: the check reads config.json only")
+
+    def patch(c):
+        c["sources"]["experts"][1]["path"] = str(other)
+        return c
+
+    _fails_cleanly(user_config(patch), tmp_path, capsys, "vocab", "math")
+
+
+def test_missing_model_path(user_config, tmp_path: Path, capsys) -> None:
+    def patch(c):
+        c["sources"]["experts"][0]["path"] = "/nonexistent/expert"
+        return c
+
+    _fails_cleanly(user_config(patch), tmp_path, capsys, "/nonexistent/expert")
+
+
+def test_unknown_merge_method(user_config, tmp_path: Path, capsys) -> None:
+    def patch(c):
+        c["merge"]["method"] = "average_vibes"
+        return c
+
+    _fails_cleanly(user_config(patch), tmp_path, capsys, "average_vibes", "task_arithmetic")
+
+
+def test_bad_yaml_key(user_config, tmp_path: Path, capsys) -> None:
+    def patch(c):
+        c["calibration"]["lerning_rate"] = 0.1
+        return c
+
+    _fails_cleanly(user_config(patch), tmp_path, capsys, "calibration.lerning_rate", "unknown key")
+
+
+def test_empty_calibration_file(user_config, tmp_path: Path, capsys) -> None:
+    path = user_config()
+    (tmp_path / "data" / "math.jsonl").write_text("")
+    _fails_cleanly(path, tmp_path, capsys, "math.jsonl", "empty")
+
+
+def test_evaluate_without_corrections_says_what_to_run(user_config, tmp_path: Path, capsys) -> None:
+    assert main(["evaluate", str(user_config()), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "darts-dist calibrate" in capsys.readouterr().err
+
+
+def test_merge_accepts_a_mergekit_yaml(tiny_family, tmp_path: Path, capsys) -> None:
+    mergekit_yaml = tmp_path / "mk.yml"
+    mergekit_yaml.write_text(yaml.safe_dump({
+        "merge_method": "ties",
+        "base_model": str(tiny_family.base),
+        "models": [{"model": str(tiny_family.experts[t]), "parameters": {"weight": 0.5, "density": 0.5}}
+                   for t in ("code", "math")],
+        "dtype": "float32",
+    }))
+    out = tmp_path / "merged"
+    assert main(["merge", str(mergekit_yaml), "--out", str(out)]) == 0
+    assert (out / "model.safetensors").is_file() and str(out) in capsys.readouterr().out
+    assert main(["merge", str(mergekit_yaml), "--out", str(out)]) == 2  # never overwritten silently
+    assert "--overwrite" in capsys.readouterr().err
