@@ -1,14 +1,14 @@
 """DARTS calibration: expert targets, merged features, and the in-process training loop.
 
-The pieces here (`expert_targets`, `merged_hidden`, `calibration_loss`, `build_corrections`)
-are what the distributed path reuses; `calibrate_in_process` is the single-process reference
-that the distributed path is tested against.
+The pieces here (`calibration_loss`, `build_corrections`, `step_minibatches`, and `expert_targets`
+and `merged_hidden` from `features`) are what the distributed path reuses; `calibrate_in_process`
+is the single-process reference that the distributed path is tested against.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,16 +20,17 @@ from darts_dist.core import (
     CorrectionSpec,
     DartsCorrections,
     attach_corrections,
-    capture_hidden,
     entropy_weights,
-    next_token_entropy,
     one_hot_tasks,
     token_positions,
     weighted_l1_loss,
 )
 from darts_dist.data import TokenizedSet
+# model_dtype and resolve_device are re-exported for the stages that import them from here.
+from darts_dist.features import LayerKey, expert_targets, merged_hidden, model_dtype, resolve_device  # noqa: F401
 
-LayerKey = str | int
+# on_step(step, metrics): called after each optimizer step with its number (from 1), loss and rows/s.
+StepCallback = Callable[[int, Mapping[str, float]], None]
 
 
 @dataclass
@@ -70,19 +71,6 @@ class TaskFeatures:
         }
 
 
-def resolve_device(device: str) -> torch.device:
-    """`auto` picks CUDA where present, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def model_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Half precision only where the device computes it well; the CPU path stays fp32."""
-    dtype = getattr(torch, name)
-    return torch.float32 if device.type == "cpu" else dtype
-
-
 def features_only(layers: Sequence[LayerKey]) -> bool:
     """With surgery only at the final representation, training never needs the merged model again."""
     return list(layers) == ["final"]
@@ -92,26 +80,6 @@ def batch_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Each token's position in its own sequence, counted from its first real token."""
     batch, length = attention_mask.shape
     return token_positions(attention_mask, None, length, 0, batch, attention_mask.device)
-
-
-@torch.no_grad()
-def expert_targets(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
-) -> tuple[dict[LayerKey, torch.Tensor], torch.Tensor]:
-    """Expert k's hidden states at each surgery layer and its next-token entropy H_t (fp32)."""
-    with capture_hidden(model, layers) as hidden:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    return {k: v.float() for k, v in hidden.items()}, next_token_entropy(logits)
-
-
-@torch.no_grad()
-def merged_hidden(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
-) -> dict[LayerKey, torch.Tensor]:
-    """The merged model's uncorrected hidden states h^m at the given layers."""
-    with capture_hidden(model, layers) as hidden:
-        model.model(input_ids=input_ids, attention_mask=attention_mask)
-    return {k: v.float() for k, v in hidden.items()}
 
 
 def _pad_cat(chunks: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -209,6 +177,16 @@ def calibration_loss(
     return loss
 
 
+def step_minibatches(
+    features: Sequence[TaskFeatures], batch_size: int, generator: torch.Generator
+) -> list[tuple[TaskFeatures, torch.Tensor]]:
+    """One step's sample: a random minibatch of every task, drawn in task order from `generator`.
+
+    Shared by the in-process and the distributed loops, so that one seed gives both the same schedule.
+    """
+    return [(task, torch.randperm(len(task), generator=generator)[:batch_size]) for task in features]
+
+
 @dataclass
 class CalibrationResult:
     """Trained corrections plus the loss curve of the run."""
@@ -224,11 +202,13 @@ def calibrate_in_process(
     settings: CalibrationSection,
     merged_model: PreTrainedModel | None = None,
     progress: bool = True,
+    on_step: StepCallback | None = None,
 ) -> CalibrationResult:
     """The reference loop: each Adam step takes one random minibatch of every task.
 
     Tasks share a step so that a shared position bias sees all of them; with per-task
-    corrections the sum is the same as training each task alone.
+    corrections the sum is the same as training each task alone. `on_step(step, metrics)`
+    receives each step's number (from 1), loss and rows per second, e.g. for MLflow.
     """
     if not features_only(corrections.layer_keys) and merged_model is None:
         raise ValueError("surgery at decoder layers trains through the merged model: pass merged_model")
@@ -241,12 +221,13 @@ def calibrate_in_process(
     losses: list[float] = []
     start = time.perf_counter()
     bar = tqdm(range(settings.steps), desc="calibrate", unit="step", disable=not progress)
+    rows_per_step = sum(min(settings.batch_size, len(task)) for task in features)
     try:
-        for _ in bar:
+        for step in bar:
+            step_start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             total = torch.zeros(())
-            for task in features:
-                index = torch.randperm(len(task), generator=generator)[: settings.batch_size]
+            for task, index in step_minibatches(features, settings.batch_size, generator):
                 loss = calibration_loss(
                     corrections,
                     task.rows(index),
@@ -261,6 +242,9 @@ def calibrate_in_process(
             optimizer.step()
             losses.append(float(total) / len(features))
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if on_step is not None:
+                rate = rows_per_step / max(time.perf_counter() - step_start, 1e-9)
+                on_step(step + 1, {"loss": losses[-1], "rows_per_second": rate})
     finally:
         if handle is not None:
             handle.remove()

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from darts_dist.config import RunConfig, is_mergekit_yaml, load_config, read_yaml
+from darts_dist.config import RunConfig, TrackingSection, is_mergekit_yaml, load_config, read_yaml
 from darts_dist.errors import DartsError
+
+if TYPE_CHECKING:  # for annotations only: these modules import torch and MLflow, which take seconds
+    from darts_dist.pipeline import RunState
+    from darts_dist.tracking import Tracking
 
 
 # Wide enough for the result table when output goes to a file or CI log (rich assumes 80 there).
@@ -58,11 +64,32 @@ def print_results(title: str, evaluation: dict) -> None:
     console.print(table)
 
 
-def _finish(report: dict, report_path: Path | None, default: Path) -> None:
+@contextmanager
+def _session(settings: TrackingSection, name: str, command: str) -> Iterator[Tracking]:
+    """The command's MLflow session; it fails fast, before any model loads, if the store is unreachable."""
+    from darts_dist.tracking import session
+
+    with session(settings, name, command) as tracking:
+        # Said first, so the run can be found (and `darts-dist register`ed) even if the command fails.
+        console.print(f"mlflow: run {tracking.run_id} at {tracking.uri}")
+        yield tracking
+
+
+def _finish(report: dict, report_path: Path | None, default: Path, tracking: Tracking | None = None) -> None:
     from darts_dist.pipeline import write_report
 
     path = write_report(report_path or default, report)
     console.print(f"report: {path}")
+    if tracking is not None:
+        tracking.log_json(tracking.run_id, report, "report.json")
+
+
+def _print_registration(state: RunState) -> None:
+    tracked = state.report.get("tracking", {})
+    if "model_uri" in tracked:
+        console.print(f"registered: {tracked['model_uri']}; {tracked['decision']}")
+    elif "decision" in tracked:
+        console.print(tracked["decision"])
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
@@ -78,33 +105,52 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 
 def cmd_merge(args: argparse.Namespace) -> None:
+    from darts_dist.merge import load_mergekit_yaml, mergekit_model_paths, run_merge
+    from darts_dist.tracking import log_config, log_merge
+
     if args.out.exists() and not args.overwrite:
         raise DartsError(f"merge output folder {args.out.absolute()} already exists",
                          "choose a new --out folder, or pass --overwrite to replace it")
-    data = read_yaml(args.config)
-    if is_mergekit_yaml(data):
-        from darts_dist.merge import load_mergekit_yaml, run_merge
-
-        out = run_merge(load_mergekit_yaml(args.config), args.out, overwrite=args.overwrite)
+    # Both kinds of YAML are validated before the session opens; a mergekit YAML tracks to the defaults.
+    config = None if is_mergekit_yaml(read_yaml(args.config)) else load_config(args.config)
+    if config is None:
+        mergekit_config = load_mergekit_yaml(args.config)
+        settings, name = TrackingSection(), args.config.stem
     else:
-        from darts_dist.merge import run_merge
-        from darts_dist.pipeline import mergekit_config_for
-        from darts_dist.sources import resolve_sources
+        settings, name = config.tracking, config.name
+    with _session(settings, name, "merge") as tracking:
+        if config is None:
+            sources = {f"model_{i}": path for i, path in enumerate(mergekit_model_paths(mergekit_config))}
+        else:
+            from darts_dist.pipeline import mergekit_config_for
+            from darts_dist.sources import resolve_sources
 
-        config = load_config(args.config)
-        out = run_merge(mergekit_config_for(config, resolve_sources(config)), args.out, overwrite=args.overwrite)
+            log_config(tracking, config)
+            resolved = resolve_sources(config)
+            mergekit_config = mergekit_config_for(config, resolved)
+            sources = {"base": resolved.base, **resolved.experts}
+        out = run_merge(mergekit_config, args.out, overwrite=args.overwrite)
+        log_merge(tracking, out, sources)
     console.print(f"merged model: {out}")
     if args.report:
-        _finish({"merged": str(out)}, args.report, args.report)
+        _finish({"merged": str(out), "tracking": {"uri": tracking.uri, "run_id": tracking.run_id}},
+                args.report, args.report)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from darts_dist.pipeline import prepare, run_calibration
+    from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
 
     config = _with_output_dir(load_config(args.config), args.output_dir)
-    state = prepare(config)
-    console.print(f"corrections: {run_calibration(state)}")
-    _finish(state.report, args.report, config.run_dir / "calibration.json")
+    with _session(config.tracking, config.name, "calibrate") as tracking:
+        state = prepare(config, tracking)
+        corrections = run_calibration(state)
+        console.print(f"corrections: {corrections}")
+        # The registry's alias moves on held-out results, so evaluate whenever there is held-out data.
+        if has_heldout(state):
+            print_results(f"{config.name}: held-out, merged vs. corrected", run_evaluation(state, corrections))
+        register_calibration(state)
+        _print_registration(state)
+        _finish(state.report, args.report, config.run_dir / "calibration.json", tracking)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
@@ -115,25 +161,62 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     if not corrections.is_file():
         raise DartsError(f"no corrections at {corrections}",
                          f"run `darts-dist calibrate {args.config}` first, or pass --corrections PATH")
-    state = prepare(config)
-    print_results(f"{config.name}: held-out, merged vs. corrected", run_evaluation(state, corrections))
-    _finish(state.report, args.report, config.run_dir / "evaluation.json")
+    with _session(config.tracking, config.name, "evaluate") as tracking:
+        state = prepare(config, tracking)
+        print_results(f"{config.name}: held-out, merged vs. corrected", run_evaluation(state, corrections))
+        _finish(state.report, args.report, config.run_dir / "evaluation.json", tracking)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from darts_dist.pipeline import prepare, run_calibration, run_evaluation
+    from darts_dist.pipeline import prepare, register_calibration, run_calibration, run_evaluation
 
     name = "tiny" if args.tiny else "demo"
     config = _with_output_dir(load_config(packaged_config(name)), args.output_dir)
     if args.steps is not None:
         config = config.model_copy(update={"calibration": config.calibration.model_copy(update={"steps": args.steps})})
     console.print(f"darts-dist demo ({name}): run folder {config.run_dir}")
-    state = prepare(config)
-    console.print(f"corrections: {run_calibration(state)}")
-    evaluation = run_evaluation(state, Path(state.report["corrections"]))
-    print_results(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation)
-    console.print(f"plots: {config.run_dir / 'plots'}")
-    _finish(state.report, args.report, config.run_dir / "report.json")
+    with _session(config.tracking, config.name, "demo") as tracking:
+        state = prepare(config, tracking)
+        console.print(f"corrections: {run_calibration(state)}")
+        evaluation = run_evaluation(state, Path(state.report["corrections"]))
+        print_results(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation)
+        console.print(f"plots: {config.run_dir / 'plots'}")
+        register_calibration(state)
+        _print_registration(state)
+        _finish(state.report, args.report, config.run_dir / "report.json", tracking)
+
+
+def cmd_register(args: argparse.Namespace) -> None:
+    from darts_dist.registry import register_run
+    from darts_dist.tracking import connect, tracking_uri
+
+    run_id, configured = _registration_target(args.run)
+    client = connect(tracking_uri(configured))
+    registration = register_run(client, run_id, name=args.name, alias=args.alias)
+    console.print(f"registered: {registration.model_uri}; {registration.decision}")
+    if args.report:
+        _finish({"tracking": {"uri": client.tracking_uri, "run_id": run_id, **registration.to_dict()}},
+                args.report, args.report)
+
+
+REPORT_NAMES = ("report.json", "calibration.json")
+
+
+def _registration_target(target: str) -> tuple[str, str]:
+    """(run id, configured tracking URI) from a run id, or from the report in a run folder."""
+    import json
+
+    folder = Path(target)
+    if not folder.is_dir():
+        return target, TrackingSection().uri
+    for name in REPORT_NAMES:
+        path = folder / name
+        if path.is_file():
+            report = json.loads(path.read_text())
+            if "run_id" in report.get("tracking", {}):
+                return report["tracking"]["run_id"], report["config"]["tracking"]["uri"]
+    raise DartsError(f"{folder} holds no report of a tracked calibration ({' or '.join(REPORT_NAMES)})",
+                     "pass the MLflow run id instead, or the folder a `calibrate` or `demo` run wrote")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,19 +237,26 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--out", type=Path, required=True, help="output folder of the merged model")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
 
-    calibrate = command("calibrate", "merge (or reuse the merge), then calibrate DARTS corrections", cmd_calibrate)
+    calibrate = command("calibrate", "merge (or reuse the merge), calibrate DARTS corrections, evaluate them "
+                        "(given held-out data) and register the model", cmd_calibrate)
     calibrate.add_argument("config", type=Path)
 
     evaluate = command("evaluate", "held-out bias by position and NLL: merged vs. corrected vs. expert", cmd_evaluate)
     evaluate.add_argument("config", type=Path)
     evaluate.add_argument("--corrections", type=Path, default=None, help="default: RUN_DIR/corrections.safetensors")
 
+    register = command("register", "register a tracked calibration as a new model version (if not yet)",
+                       cmd_register)
+    register.add_argument("run", metavar="RUN_ID_OR_RUN_DIR", help="an MLflow run id, or a run folder with its report")
+    register.add_argument("--name", default=None, help="registered model name (default: the run's config)")
+    register.add_argument("--alias", default=None, help="alias to decide on (default: the run's tracking.alias)")
+
     validate = command("validate", "check a darts-dist or mergekit YAML without doing any work", cmd_validate)
     validate.add_argument("config", type=Path)
 
     for p in (demo, calibrate, evaluate):
         p.add_argument("--output-dir", type=Path, default=None, help="override the config's output_dir")
-    for p in (demo, merge, calibrate, evaluate):
+    for p in (demo, merge, calibrate, evaluate, register):
         p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
     return parser
 

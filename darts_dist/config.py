@@ -121,6 +121,17 @@ class ClusterSection(_Section):
     cpus_per_worker: float = Field(default=1.0, gt=0.0)
     expert_resources: dict[str, float] = Field(default_factory=dict)
     worker_resources: dict[str, float] = Field(default_factory=dict)
+    # The Ray Train run: the same run id resumes from its last checkpoint. Default: NAME plus a hash of
+    # everything that decides the result, so an unchanged command resumes and a changed one starts afresh.
+    run_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
+    # Checkpoints go to RUN_DIR/ray-train by default; multi-node clusters need shared storage (NFS, s3://).
+    storage_path: str | None = None
+    checkpoint_every: PositiveInt = 100  # steps
+    max_failures: int = Field(default=2, ge=0)  # restarts of a lost worker group, and of each expert actor
+    # Streamed features a worker keeps in memory; beyond this they spill to its local disk, memory-mapped.
+    feature_memory_mb: PositiveInt = 2048
+    # Object store the stream of each expert may fill before Ray Data's back-pressure pauses its actor.
+    stream_buffer_mb: PositiveInt = 256
 
 
 class TrackingSection(_Section):

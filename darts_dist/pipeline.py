@@ -1,13 +1,15 @@
-"""The run's stages in the data's order: sources → merge → calibrate → evaluate.
+"""The run's stages in the data's order: sources → merge → calibrate → evaluate → register.
 
 Each stage takes the validated config and plain paths and returns plain values, so the CLI
-and the Ray job entry points are thin glue around these functions.
+and the Ray job entry points are thin glue around these functions. With an MLflow session
+(`tracking.session`) each stage also records itself in its own nested run.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,8 @@ import yaml
 
 from darts_dist.calibrate import (
     CalibrationResult,
+    StepCallback,
+    TaskFeatures,
     build_corrections,
     calibrate_in_process,
     collect_features,
@@ -24,16 +28,33 @@ from darts_dist.calibrate import (
     model_dtype,
     resolve_device,
 )
-from darts_dist.config import RunConfig
-from darts_dist.core import DartsCorrections, load_corrections, save_corrections
+from darts_dist.config import CalibrationSection, RunConfig
+from darts_dist.core import DartsCorrections, entropy_weights, read_header, save_corrections
 from darts_dist.data import TokenizedSet, load_rows, tokenize_rows
 from darts_dist.errors import DartsError
 from darts_dist.evaluate import evaluate_task, overall
 from darts_dist.fsutil import atomic_file
+from darts_dist.generation import load_corrections_for
 from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
 from darts_dist.models import content_hash, load_causal_lm, load_tokenizer, read_model_info
-from darts_dist.plots import plot_bias_by_position, plot_loss
+from darts_dist.plots import plot_bias_by_position, plot_entropy_weights, plot_loss
+from darts_dist.registry import (
+    DECISION_TAG,
+    Registration,
+    log_pyfunc_model,
+    register_version,
+    registered_model_name,
+)
 from darts_dist.sources import ResolvedSources, resolve_sources
+from darts_dist.tracking import (
+    CORRECTIONS_TAG,
+    Tracking,
+    log_calibration,
+    log_config,
+    log_evaluation,
+    log_merge,
+    system_tags,
+)
 
 
 def mergekit_config_for(config: RunConfig, sources: ResolvedSources) -> dict:
@@ -82,6 +103,14 @@ def tokenized(config: RunConfig, sources: ResolvedSources, task: str, split: str
 class CalibrationOutcome:
     corrections_path: Path
     result: CalibrationResult
+    entropy_weights: dict[str, torch.Tensor]  # each task's w_t on its real calibration tokens
+
+
+def token_weights(features: TaskFeatures, settings: CalibrationSection) -> torch.Tensor:
+    """A task's entropy weights over its whole calibration set, as the loss weighs its tokens."""
+    weight_mask = features.response_mask if settings.weight_on_for(features.task) == "response" else None
+    weights = entropy_weights(features.entropy, features.attention_mask, settings.beta_for(features.task), weight_mask)
+    return weights[features.attention_mask.bool()]
 
 
 def _release(model: torch.nn.Module) -> None:
@@ -91,7 +120,9 @@ def _release(model: torch.nn.Module) -> None:
     gc.collect()
 
 
-def calibrate_stage(config: RunConfig, sources: ResolvedSources, merged_dir: Path) -> CalibrationOutcome:
+def calibrate_stage(
+    config: RunConfig, sources: ResolvedSources, merged_dir: Path, on_step: StepCallback | None = None
+) -> CalibrationOutcome:
     """Collect each expert's targets once, train the corrections in-process, save them."""
     settings = config.calibration
     device = resolve_device(settings.device)
@@ -113,14 +144,17 @@ def calibrate_stage(config: RunConfig, sources: ResolvedSources, merged_dir: Pat
     torch.manual_seed(settings.seed)
     corrections = build_corrections(tasks, merged.config.hidden_size, settings).to(device)
     result = calibrate_in_process(
-        features, corrections, settings, merged_model=None if features_only(settings.layers) else merged
+        features, corrections, settings, merged_model=None if features_only(settings.layers) else merged,
+        on_step=on_step,
     )
     path = save_corrections(
         config.run_dir / "corrections.safetensors",
         corrections.cpu(),
         metadata=corrections_metadata(merged_dir),
     )
-    return CalibrationOutcome(corrections_path=path, result=result)
+    return CalibrationOutcome(
+        corrections_path=path, result=result, entropy_weights={f.task: token_weights(f, settings) for f in features}
+    )
 
 
 def corrections_metadata(merged_dir: Path) -> dict[str, object]:
@@ -137,15 +171,7 @@ def corrections_metadata(merged_dir: Path) -> dict[str, object]:
 
 def load_matching_corrections(path: Path, merged_dir: Path, tasks: tuple[str, ...]) -> DartsCorrections:
     """Load corrections and refuse them when they were made for another model or other tasks."""
-    corrections, made_for = load_corrections(path)
-    info = read_model_info(merged_dir)
-    for key in ("architecture", "hidden_size", "num_layers", "vocab_size"):
-        if key in made_for and made_for[key] != getattr(info, key):
-            raise DartsError(
-                f"corrections {path} were made for a model with {key}={made_for[key]}, "
-                f"but {merged_dir} has {key}={getattr(info, key)}",
-                "calibrate against this merged model, or evaluate with the merged model the corrections came from",
-            )
+    corrections = load_corrections_for(path, merged_dir)
     if tuple(corrections.spec.tasks) != tuple(tasks):
         raise DartsError(f"corrections {path} cover tasks {list(corrections.spec.tasks)}, the config has {list(tasks)}",
                          "use the corrections calibrated with this config")
@@ -199,10 +225,11 @@ class RunState:
     sources: ResolvedSources
     merged_dir: Path
     report: dict[str, object]
+    tracking: Tracking | None = None  # the command's MLflow session; None runs untracked
 
 
-def prepare(config: RunConfig) -> RunState:
-    """sources → merge."""
+def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
+    """sources → merge; with a session, the config goes on its parent run and the merge gets its own run."""
     sources = resolve_sources(config)
     merged_dir = merge_stage(config, sources)
     report: dict[str, object] = {
@@ -211,13 +238,25 @@ def prepare(config: RunConfig) -> RunState:
         "merged": str(merged_dir),
         "plots": {},
     }
-    return RunState(config=config, sources=sources, merged_dir=merged_dir, report=report)
+    if tracking is not None:
+        log_config(tracking, config)
+        log_merge(tracking, merged_dir, {"base": sources.base, **sources.experts})
+        # The stage runs' ids as they are opened: the dict is the session's own.
+        report["tracking"] = {"uri": tracking.uri, "experiment_id": tracking.experiment_id,
+                              "run_id": tracking.run_id, "stage_runs": tracking.stages}
+    return RunState(config=config, sources=sources, merged_dir=merged_dir, report=report, tracking=tracking)
 
 
 def run_calibration(state: RunState) -> Path:
-    """calibrate, save the corrections and the loss plot; returns the corrections' path."""
+    """calibrate, save the corrections and the plots (tracked: per-step metrics too); returns the corrections' path."""
     started = time.perf_counter()
-    outcome = calibrate_stage(state.config, state.sources, state.merged_dir)
+    config, tracking = state.config, state.tracking
+    run_id = on_step = None
+    if tracking is not None:
+        device = str(resolve_device(config.calibration.device))
+        run_id = tracking.start_stage("calibration", system_tags(config, device, executor="in-process"))
+        on_step = tracking.step_logger(run_id)
+    outcome = calibrate_stage(config, state.sources, state.merged_dir, on_step=on_step)
     losses = outcome.result.losses
     state.report["corrections"] = str(outcome.corrections_path)
     state.report["calibration"] = {
@@ -228,14 +267,70 @@ def run_calibration(state: RunState) -> Path:
         "seconds": time.perf_counter() - started,
         "losses": losses,
     }
-    state.report["plots"]["loss"] = str(plot_loss(losses, state.config.run_dir / "plots" / "loss.png"))
+    plots = {
+        "loss": plot_loss(losses, config.run_dir / "plots" / "loss.png"),
+        "entropy_weights": plot_entropy_weights(
+            {task: w.tolist() for task, w in outcome.entropy_weights.items()},
+            config.run_dir / "plots" / "entropy_weights.png",
+        ),
+    }
+    state.report["plots"].update({name: str(path) for name, path in plots.items()})
+    if tracking is not None:
+        on_step.flush()
+        summary = {k: state.report["calibration"][k] for k in ("first_loss", "final_loss", "train_seconds")}
+        log_calibration(tracking, run_id, config, state.merged_dir, outcome.corrections_path,
+                        read_header(outcome.corrections_path), plots, summary)
     return outcome.corrections_path
 
 
+def has_heldout(state: RunState) -> bool:
+    """Whether every task has held-out data, which evaluation (and so the registry's alias) needs."""
+    return all(state.sources.data[task].heldout is not None for task in state.config.tasks)
+
+
 def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, object]:
-    """evaluate on the held-out sets; adds `variants.darts` and the bias plot to the report."""
+    """evaluate on the held-out sets; adds `variants.darts` and the bias plot to the report.
+
+    Tracked, the results go to this session's calibration run, or to an evaluation run of their own.
+    """
     evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections)
     state.report["variants"] = {"darts": evaluation}
     plot = plot_bias_by_position(evaluation["tasks"], state.config.run_dir / "plots" / "bias_by_position.png")
     state.report["plots"]["bias_by_position"] = str(plot)
+    tracking = state.tracking
+    if tracking is not None:
+        run_id = tracking.stages.get("calibration")
+        if run_id is None:
+            run_id = tracking.start_stage("evaluation", {CORRECTIONS_TAG: corrections})
+        log_evaluation(tracking, run_id, evaluation, {"bias_by_position": plot})
     return evaluation
+
+
+def accepted(losses: list[float]) -> bool:
+    """A calibration worth registering: every loss finite, and the last no higher than the first."""
+    return all(math.isfinite(loss) for loss in losses) and losses[-1] <= losses[0]
+
+
+def register_calibration(state: RunState) -> Registration | None:
+    """Log the pyfunc model of this session's accepted calibration and register it; None when not registered.
+
+    The report's `tracking` section gets the version's `model_uri` (models:/NAME/VERSION), the alias
+    and the decision about it.
+    """
+    tracking = state.tracking
+    if tracking is None:
+        return None
+    run_id = tracking.stages["calibration"]
+    config = state.config
+    if not accepted(state.report["calibration"]["losses"]):
+        decision = "not registered: the calibration loss did not go down (or was not finite)"
+        tracking.set_tags(run_id, {DECISION_TAG: decision})
+        state.report["tracking"]["decision"] = decision
+        return None
+    corrections = Path(state.report["corrections"])
+    logged = log_pyfunc_model(tracking.uri, run_id, state.merged_dir, corrections, example_task=config.tasks[0])
+    registration = register_version(
+        tracking.client, registered_model_name(config), logged, run_id, config.tracking.alias
+    )
+    state.report["tracking"].update({"logged_model_uri": logged, **registration.to_dict()})
+    return registration

@@ -1,4 +1,4 @@
-"""PNG plots of what people would rather see than read: bias by position, loss curves."""
+"""PNG plots of what people would rather see than read: bias by position, loss curves, entropy weights."""
 
 from __future__ import annotations
 
@@ -43,4 +43,15 @@ def plot_loss(losses: Sequence[float], path: Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("entropy-weighted L1 loss")
     ax.set_yscale("log")
+    return _save(fig, path)
+
+
+def plot_entropy_weights(weights: Mapping[str, Sequence[float]], path: Path) -> Path:
+    """Histogram of each task's entropy weights w_t over its calibration tokens (1 everywhere when β = 0)."""
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for task, values in weights.items():
+        ax.hist(list(values), bins=40, histtype="step", label=task)
+    ax.set_xlabel("entropy weight w_t")
+    ax.set_ylabel("tokens")
+    ax.legend()
     return _save(fig, path)

@@ -13,6 +13,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Forced, not defaulted: tests must never read or fill the user's cache.
 _TEST_CACHE = tempfile.mkdtemp(prefix="darts-dist-test-cache-")
 os.environ["DARTS_DIST_CACHE"] = _TEST_CACHE
+# Commands track to MLFLOW_TRACKING_URI first: one throwaway sqlite store (artifacts next to it),
+# never an mlflow.db in the folder the tests run from.
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_TEST_CACHE}/mlflow.db"
 
 import pytest  # noqa: E402
 

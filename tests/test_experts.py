@@ -20,6 +20,7 @@ from darts_dist.experts import (
     frozen_bottom_features,
     make_experts,
     positions,
+    resolved_precision,
     run_top,
 )
 from darts_dist.models import load_causal_lm
@@ -133,23 +134,33 @@ def test_cache_is_reused_when_nothing_changed(tiny_family, train_files, trained,
 
 
 def test_cache_is_rebuilt_when_settings_or_data_change(tiny_family, train_files, trained, tmp_path):
-    fewer_steps = make_experts(tiny_family.base, train_files, settings=dataclasses.replace(SETTINGS, steps=3))
-    assert fewer_steps["code"].parent != trained["code"].parent
-    assert json.loads((fewer_steps["code"] / "darts_expert.json").read_text())["settings"]["steps"] == 3
+    code_only = {"code": train_files["code"]}
+    # fp32 is also the settings change: whatever "auto" means here, this path gets exercised.
+    fp32 = make_experts(tiny_family.base, code_only, settings=dataclasses.replace(SETTINGS, precision="fp32"))
+    assert fp32["code"].parent != trained["code"].parent
+    assert json.loads((fp32["code"] / "darts_expert.json").read_text())["settings"]["precision"] == "fp32"
 
-    changed = dict(train_files, code=tmp_path / "code.jsonl")
-    changed["code"].write_text(train_files["code"].read_text() + json.dumps({"text": "def extra():\n    pass\n"}) + "\n")
-    new_data = make_experts(tiny_family.base, changed, settings=SETTINGS)
-    assert new_data["code"].parent not in (trained["code"].parent, fewer_steps["code"].parent)
+    changed = tmp_path / "code.jsonl"
+    changed.write_text(train_files["code"].read_text() + json.dumps({"text": "def extra():\n    pass\n"}) + "\n")
+    new_data = make_experts(tiny_family.base, {"code": changed}, settings=SETTINGS)
+    assert new_data["code"].parent not in (trained["code"].parent, fp32["code"].parent)
 
 
 def test_a_given_out_root_is_rebuilt_when_the_settings_differ(tiny_family, train_files, tmp_path):
-    first = make_experts(tiny_family.base, train_files, out_root=tmp_path, settings=dataclasses.replace(SETTINGS, steps=2))
+    math_only = {"math": train_files["math"]}
+    first = make_experts(tiny_family.base, math_only, tmp_path, dataclasses.replace(SETTINGS, steps=2))
     before = load_file(first["math"] / "model.safetensors")
-    second = make_experts(tiny_family.base, train_files, out_root=tmp_path, settings=dataclasses.replace(SETTINGS, steps=4))
-    assert second == first
+    second = make_experts(tiny_family.base, math_only, tmp_path, dataclasses.replace(SETTINGS, steps=4))
+    assert second == first == {"math": tmp_path / "math"}
     after = load_file(second["math"] / "model.safetensors")
     assert not torch.equal(before["model.norm.weight"], after["model.norm.weight"])
+
+
+def test_auto_precision_is_recorded_as_what_it_resolved_to(trained):
+    recorded = json.loads((trained["math"] / "darts_expert.json").read_text())["settings"]["precision"]
+    assert recorded == resolved_precision("auto") in ("bf16", "fp32")
+    with pytest.raises(DartsError, match="precision='fp16'"):
+        resolved_precision("fp16")
 
 
 def test_missing_training_file_is_a_user_error(tiny_family, tmp_path):
@@ -158,5 +169,13 @@ def test_missing_training_file_is_a_user_error(tiny_family, tmp_path):
 
 
 def test_chat_rows_with_no_response_within_max_length_are_a_user_error(tiny_family, train_files):
+    too_short = dataclasses.replace(SETTINGS, max_length=8)
     with pytest.raises(DartsError, match="no training row"):
-        make_experts(tiny_family.base, {"math": train_files["math"]}, settings=dataclasses.replace(SETTINGS, max_length=8))
+        make_experts(tiny_family.base, {"math": train_files["math"]}, settings=too_short)
+
+
+def test_settings_out_of_range_are_a_user_error():
+    with pytest.raises(DartsError, match="out of range"):
+        ExpertTraining(steps=0)
+    with pytest.raises(DartsError, match="precision='fp16'"):
+        ExpertTraining(precision="fp16")

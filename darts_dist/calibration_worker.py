@@ -1,0 +1,350 @@
+"""The Ray Train calibration worker: the frozen merged model and its corrections, trained with DeepSpeed.
+
+`train_loop_per_worker` reads like single-process training: load the merged model, hook in the
+corrections, drain this worker's shard of every expert's stream into a feature store (each row's
+merged forward runs here once), then run the in-process reference's step schedule through a
+DeepSpeed engine, checkpointing corrections and optimizer state every `checkpoint_every` steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from ray.data import DataIterator
+from torch import nn
+
+from darts_dist.calibrate import (
+    TaskFeatures,
+    batch_positions,
+    build_corrections,
+    calibration_loss,
+    features_only,
+    step_minibatches,
+)
+from darts_dist.config import CalibrationSection
+from darts_dist.core import DartsCorrections, attach_corrections, save_corrections
+from darts_dist.errors import DartsError
+from darts_dist.feature_store import FeatureStore
+from darts_dist.features import merged_hidden, model_dtype
+from darts_dist.fsutil import cache_root
+from darts_dist.models import load_causal_lm
+from darts_dist.stream import TOKEN_FIELDS, from_wire, pad_rows, target_column
+
+ENGINE_TAG = "engine"  # DeepSpeed's folder inside each checkpoint
+PROGRESS_FILE = "progress.json"  # step, losses, timings (rank 0)
+CORRECTIONS_FILE = "corrections.safetensors"  # the whole corrections, gathered (rank 0)
+
+
+def rows_file(rank: int) -> str:
+    """Per worker: the entropy H_t of every row it trained on, keyed "task/row" (so its row ids too)."""
+    return f"rows-{rank}.npz"
+
+
+def merged_column(layer: object) -> str:
+    return f"merged.{layer}"
+
+
+class CalibrationModule(nn.Module):
+    """The frozen merged model and the trainable corrections as one module: DeepSpeed sees both, and
+    ZeRO-3 partitions both. Its forward is one step's loss, Σ over tasks of `calibration_loss`."""
+
+    def __init__(self, merged: nn.Module, corrections: DartsCorrections, settings: CalibrationSection) -> None:
+        super().__init__()
+        self.merged = merged
+        self.corrections = corrections
+        self.settings = settings
+        self.handle = None
+
+    def attach(self) -> None:
+        """Hook the corrections into the merged model, for multi-layer surgery.
+
+        Called after deepspeed.initialize: hooks run in the order they were registered, and ZeRO-3's
+        own hook on a module marks its output for re-gathering the module's weights in backward;
+        the corrections must see (and record) that marked output, or backward through the final
+        norm finds its weight still partitioned.
+        """
+        if not features_only(self.corrections.layer_keys):
+            self.handle = attach_corrections(self.merged, self.corrections)
+            self.handle.record = True
+
+    def forward(self, minibatches: Sequence[tuple[str, dict[str, object]]]) -> torch.Tensor:
+        device = next(self.corrections.parameters()).device
+        tasks = self.corrections.spec.tasks
+        loss = torch.zeros((), device=device)
+        for task, rows in minibatches:
+            loss = loss + calibration_loss(
+                self.corrections,
+                _to(rows, device),
+                tasks.index(task),
+                self.settings.beta_for(task),
+                self.settings.weight_on_for(task),
+                merged_model=None if self.handle is None else self.merged,
+                handle=self.handle,
+            )
+        return loss
+
+
+def _to(value: object, device: torch.device) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to(item, device) for key, item in value.items()}
+    return value
+
+
+def deepspeed_config(settings: CalibrationSection, zero_stage: int) -> dict[str, object]:
+    """Plain fp32 ZeRO with torch's own Adam (L2 weight decay, as the reference loop's optimizer)."""
+    return {
+        "train_micro_batch_size_per_gpu": settings.batch_size,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": zero_stage},
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": settings.learning_rate,
+                "weight_decay": settings.weight_decay,
+                "torch_adam": True,
+                "adam_w_mode": False,
+            },
+        },
+        "steps_per_print": 1 << 30,
+    }
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint restores: steps done and their losses; `resumed_from` is None on a fresh start."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    resumed_from: int | None = None
+
+
+class Progress:
+    """Rank 0's progress lines, at most one every `interval` seconds unless forced."""
+
+    def __init__(self, enabled: bool, interval: float = 10.0) -> None:
+        self.enabled = enabled
+        self.interval = interval
+        self.last = 0.0
+
+    def __call__(self, message: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.enabled and (force or now - self.last >= self.interval):
+            self.last = now
+            print(f"calibrate: {message}", flush=True)
+
+
+def roundrobin(*iterables: Iterator) -> Iterator:
+    """One item of each in turn, so that every expert's stream keeps flowing while the worker drains."""
+    iterators = [iter(it) for it in iterables]
+    while iterators:
+        for it in list(iterators):
+            try:
+                yield next(it)
+            except StopIteration:
+                iterators.remove(it)
+
+
+def in_lockstep(items: Iterator, device: torch.device) -> Iterator:
+    """Every item, then None until all ranks are done: ZeRO-3 gathers weights with collectives, so
+    every rank must run as many forwards as the rank with the most batches."""
+    more = torch.zeros(1, device=device)
+    for item in itertools.chain(items, itertools.repeat(None)):
+        more.fill_(item is not None)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not more.item():
+            return
+        yield item
+
+
+def drain(
+    shards: Mapping[str, DataIterator],
+    module: CalibrationModule,
+    store: FeatureStore,
+    settings: CalibrationSection,
+    lockstep: bool,
+    log: Progress,
+) -> int:
+    """Keep this worker's rows of every task in `store`; returns the bytes of hidden states received.
+
+    In feature mode the merged model runs here once per row, so training steps need no model at all.
+    """
+    device = next(module.corrections.parameters()).device
+    with_merged = features_only(settings.layers)
+    batches = roundrobin(*[
+        zip(itertools.repeat(task), shard.iter_batches(batch_size=settings.batch_size, batch_format="numpy"))
+        for task, shard in shards.items()
+    ])
+    if lockstep and with_merged:
+        batches = in_lockstep(batches, device)
+    received = rows = 0
+    started = time.perf_counter()
+    for item in batches:
+        if item is None:  # this rank is done, others are not: a one-token forward keeps gathers in step
+            merged_hidden(module.merged, torch.ones(1, 1, dtype=torch.long, device=device),
+                          torch.ones(1, 1, dtype=torch.long, device=device), settings.layers)
+            continue
+        task, batch = item
+        merged = {}
+        if with_merged:
+            ids, mask = (torch.from_numpy(pad_rows(batch[name])).to(device) for name in ("input_ids", "attention_mask"))
+            merged = merged_hidden(module.merged, ids, mask, settings.layers)
+        for i, row in enumerate(batch["row"]):
+            length = len(batch["input_ids"][i])
+            arrays = {name: batch[name][i] for name in (*TOKEN_FIELDS, "entropy")}
+            for layer in settings.layers:
+                received += batch[target_column(layer)][i].nbytes
+                arrays[target_column(layer)] = from_wire(batch[target_column(layer)][i])
+            for layer, hidden in merged.items():
+                arrays[merged_column(layer)] = hidden[i, :length].cpu().numpy()
+            store.add(task, int(row), arrays)
+        rows += len(batch["row"])
+        log(f"streamed {rows} rows ({rows / (time.perf_counter() - started):.1f} rows/s)")
+    log(f"streamed {rows} rows in {time.perf_counter() - started:.1f} s", force=True)
+    return received
+
+
+def task_features(store: FeatureStore, task: str, index: int, settings: CalibrationSection) -> TaskFeatures:
+    """One task's stored rows as the reference loop's TaskFeatures (memory-mapped where they spilled)."""
+    arrays = {name: torch.from_numpy(array) for name, array in store.arrays(task).items()}
+    mask = arrays["attention_mask"]
+    return TaskFeatures(
+        task=task,
+        task_index=index,
+        input_ids=arrays["input_ids"],
+        attention_mask=mask,
+        response_mask=arrays["response_mask"],
+        positions=batch_positions(mask),
+        entropy=arrays["entropy"],
+        targets={layer: arrays[target_column(layer)] for layer in settings.layers},
+        merged={layer: arrays[merged_column(layer)] for layer in settings.layers if merged_column(layer) in arrays},
+    )
+
+
+def restore(engine: deepspeed.DeepSpeedEngine) -> TrainState:
+    """The last checkpoint's state, loaded into `engine`; a fresh state when the run starts anew."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return TrainState()
+    with checkpoint.as_directory() as folder:
+        # Frozen weights are not in checkpoints (they are the merged model's): load non-strictly.
+        engine.load_checkpoint(folder, tag=ENGINE_TAG, load_module_strict=False)
+        progress = json.loads((Path(folder) / PROGRESS_FILE).read_text())
+    return TrainState(step=progress["step"], losses=progress["losses"], resumed_from=progress["step"])
+
+
+def row_entropies(features: Sequence[TaskFeatures], row_ids: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
+    """Each row's H_t over its real tokens, keyed "task/row": the driver's record of what trained where."""
+    out = {}
+    for task in features:
+        lengths = task.attention_mask.sum(dim=1).tolist()
+        for i, (row, length) in enumerate(zip(row_ids[task.task], lengths)):
+            out[f"{task.task}/{row}"] = task.entropy[i, :length].numpy().copy()
+    return out
+
+
+def reduce_over_ranks(values: Sequence[float], device: torch.device, op: str = "mean") -> list[float]:
+    """A few numbers reduced over all ranks: their mean, sum or max."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)  # gloo has no AVG
+    if op == "mean":
+        tensor /= dist.get_world_size()
+    return tensor.tolist()
+
+
+def save_checkpoint(
+    engine: deepspeed.DeepSpeedEngine, state: TrainState, rows: Mapping[str, np.ndarray], progress: dict
+) -> None:
+    """Every rank: DeepSpeed's state (its own optimizer partition) and its rows; rank 0 also the whole
+    corrections and the progress. Ray Train merges the ranks' folders into one checkpoint."""
+    rank = dist.get_rank()
+    corrections = engine.module.corrections
+    with tempfile.TemporaryDirectory(prefix="darts-checkpoint-") as folder:
+        engine.save_checkpoint(folder, tag=ENGINE_TAG, exclude_frozen_parameters=True)
+        with deepspeed.zero.GatheredParameters(list(corrections.parameters())):
+            if rank == 0:
+                save_corrections(Path(folder) / CORRECTIONS_FILE, corrections)
+        if rank == 0:
+            progress = {**progress, "step": state.step, "losses": state.losses, "resumed_from": state.resumed_from}
+            (Path(folder) / PROGRESS_FILE).write_text(json.dumps(progress))
+        np.savez(Path(folder) / rows_file(rank), **rows)
+        metrics = {"step": state.step, "loss": state.losses[-1]}
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """One calibration worker; Ray Train runs it on every rank, and again from the last checkpoint after a failure."""
+    settings: CalibrationSection = config["settings"]
+    tasks: list[str] = config["tasks"]
+    rank = ray.train.get_context().get_world_rank()
+    log = Progress(enabled=rank == 0)
+    started = time.time()
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed compiles a CPU communication op on first use (about a minute): cache it once per machine.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch-extensions"))
+    device = ray.train.torch.get_device()
+    merged = load_causal_lm(Path(config["merged_dir"]), dtype=model_dtype(settings.dtype, device), device=device)
+    torch.manual_seed(settings.seed)  # the reference loop's initial corrections
+    corrections = build_corrections(tasks, merged.config.hidden_size, settings).to(device)
+    engine, *_ = deepspeed.initialize(
+        model=CalibrationModule(merged, corrections, settings),
+        model_parameters=list(corrections.parameters()),
+        config=deepspeed_config(settings, config["zero_stage"]),
+    )
+    engine.module.attach()
+    state = restore(engine)
+    if state.step >= settings.steps:
+        log(f"this run finished at step {state.step}: nothing left to do", force=True)
+        return
+    if state.resumed_from is not None:
+        log(f"resuming from the checkpoint at step {state.step}", force=True)
+    timings = {"worker_start": started, "setup": time.time() - started}
+    shards = {task: ray.train.get_dataset_shard(task) for task in tasks}
+    with tempfile.TemporaryDirectory(prefix="darts-features-") as spill_dir:
+        store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
+        received = drain(shards, engine.module, store, settings, lockstep=config["zero_stage"] == 3, log=log)
+        row_ids = {task: store.row_ids(task) for task in tasks}
+        missing = [task for task, ids in row_ids.items() if not ids]
+        if missing:
+            raise DartsError(f"calibration worker {rank} received no rows of tasks {missing}",
+                             "use fewer workers (cluster.num_workers) or more calibration samples per task")
+        features = [task_features(store, task, index, settings) for index, task in enumerate(tasks)]
+        rows, spilled = reduce_over_ranks([sum(map(len, row_ids.values())), store.spilled_bytes], device, "sum")
+        stream = {"rows": rows, "bytes": reduce_over_ranks([received], device, "sum")[0], "spilled_bytes": spilled,
+                  "peak_memory_bytes": reduce_over_ranks([store.peak_memory_bytes], device, "max")[0]}
+        timings["stream"] = time.time() - started - timings["setup"]
+        entropies = row_entropies(features, row_ids)
+        generator = torch.Generator().manual_seed(settings.seed + rank)
+        for _ in range(state.step):  # replay the schedule of the steps the checkpoint already holds
+            step_minibatches(features, settings.batch_size, generator)
+        train_start = time.time()
+        for step in range(state.step + 1, settings.steps + 1):
+            if step == config["fail_at_step"] and state.resumed_from is None and rank == 0:
+                raise RuntimeError(f"injected failure in step {step} (DARTS_DIST_FAIL_WORKER_AT_STEP)")
+            minibatches = [(task.task, task.rows(index))
+                           for task, index in step_minibatches(features, settings.batch_size, generator)]
+            loss = engine(minibatches)
+            engine.backward(loss)
+            engine.step()
+            state.step = step
+            state.losses.append(reduce_over_ranks([float(loss)], device)[0] / len(features))
+            log(f"step {step}/{settings.steps}, loss {state.losses[-1]:.4f}")
+            if step % config["checkpoint_every"] == 0 or step == settings.steps:
+                timings["train"] = time.time() - train_start
+                save_checkpoint(engine, state, entropies, {"timings": timings, "stream": stream})
+        log(f"step {state.step}/{settings.steps}, loss {state.losses[-1]:.4f}", force=True)

@@ -1,0 +1,313 @@
+"""Distributed calibration as one Ray job: expert actors stream hidden states into DeepSpeed Ray Train workers.
+
+`calibrate_distributed` is the calibrate stage on a Ray cluster: one started for the job on this
+machine, or an existing one (`--address`, `cluster.address` or RAY_ADDRESS). `run_calibration_job`
+is the job itself, on plain values. This module shares `pipeline`'s tokenisation and corrections
+metadata, so `pipeline` may import it only inside a function.
+
+Fault injection, for tests and drills on a real cluster; never on unless set:
+  DARTS_DIST_FAIL_WORKER_AT_STEP=N   rank 0 raises in step N of a run that did not start from a checkpoint
+  DARTS_DIST_FAIL_EXPERT_AFTER=N     every expert actor dies after N batches, once
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import ray
+import ray.train
+import torch
+from ray.data import ExecutionOptions, ExecutionResources
+from ray.train.torch import TorchTrainer
+
+from darts_dist.calibrate import CalibrationResult, TaskFeatures, batch_positions
+from darts_dist.calibration_worker import CORRECTIONS_FILE, PROGRESS_FILE, train_loop_per_worker
+from darts_dist.config import CalibrationSection, ClusterSection, RunConfig
+from darts_dist.core import DartsCorrections, load_corrections, save_corrections
+from darts_dist.data import TokenizedSet
+from darts_dist.errors import DartsError
+from darts_dist.models import content_hash, load_tokenizer
+from darts_dist.pipeline import CalibrationOutcome, corrections_metadata, token_weights, tokenized
+from darts_dist.sources import ResolvedSources
+from darts_dist.stream import ExactlyOnceSplit, expert_resources, expert_stream
+
+FAIL_WORKER_AT_STEP = "DARTS_DIST_FAIL_WORKER_AT_STEP"
+FAIL_EXPERT_AFTER = "DARTS_DIST_FAIL_EXPERT_AFTER"
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Everything one calibration job needs, as plain values."""
+
+    data: dict[str, TokenizedSet]  # each task's calibration set, in task order
+    experts: dict[str, Path]
+    merged_dir: Path
+    settings: CalibrationSection
+    cluster: ClusterSection
+    run_id: str
+    storage_path: str
+    address: str | None = None
+
+
+@dataclass
+class JobResult:
+    """What the job trained, on which rows, and how it went."""
+
+    corrections: DartsCorrections
+    losses: list[float]
+    rows: dict[int, dict[str, list[int]]]  # worker rank -> task -> the row ids it trained on
+    entropy: dict[str, dict[int, np.ndarray]]  # task -> row -> the expert's H_t on the row's tokens
+    stream: dict[str, float]  # rows, bytes (of hidden states received), spilled_bytes, peak_memory_bytes
+    timings: dict[str, float]  # seconds: startup, stream, train, total
+    resumed_from: int | None  # the step the last attempt started from; None for a fresh start
+    checkpoint_path: str
+    object_store_peak_bytes: int
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return None if not value else int(value)
+
+
+def logical_cpus(plan: JobPlan) -> int:
+    """Logical CPUs for a local cluster: one slot for each actor the job starts, plus one for Ray Data.
+
+    Sized above the cores on purpose: on 2 cores, `num_cpus=2` left Ray Data's tasks no CPU next to
+    the training worker and the stream deadlocked (DESIGN.md §4); oversubscribing logically runs.
+    """
+    expert_cpus = expert_resources(plan.cluster)["num_cpus"]
+    need = len(plan.data) * expert_cpus + plan.cluster.num_workers * plan.cluster.cpus_per_worker + 1
+    return max(os.cpu_count() or 1, int(need + 0.999))
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, num_cpus: int) -> Iterator[None]:
+    """This process's Ray cluster: the one it already joined, the one at `address`, or a local one for the job."""
+    if ray.is_initialized():
+        yield
+        return
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+class ObjectStoreSampler:
+    """Samples the cluster's object store use from a background thread; `peak` is the most seen, in bytes."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def used(self) -> int:
+        # Ray's public APIs report the object store's capacity, not its use; this raylet call is what
+        # `ray memory --stats-only` prints.
+        from ray._private import internal_api
+
+        state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
+        return int(internal_api.get_memory_info_reply(state).store_stats.object_store_bytes_used)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.used())
+
+    def __enter__(self) -> ObjectStoreSampler:
+        self.peak = self.used()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def check_plan(plan: JobPlan) -> None:
+    """Fail before any work when a worker could get no rows of a task.
+
+    Each expert's rows reach the workers in batches of `batch_size`, each to the worker with the
+    fewest rows so far: every worker gets some rows of a task with more than (workers - 1) batches.
+    """
+    workers, batch = plan.cluster.num_workers, plan.settings.batch_size
+    for task, data in plan.data.items():
+        if len(data) <= (workers - 1) * batch:
+            raise DartsError(
+                f"task {task!r} has {len(data)} calibration samples: too few for {workers} workers "
+                f"fed in batches of {batch} (each needs some of every task)",
+                "lower cluster.num_workers or calibration.batch_size, or raise calibration.num_samples",
+            )
+
+
+def _user_error(error: ray.train.TrainingFailedError) -> DartsError | None:
+    """A worker's DartsError, so the command line reports it as the input problem it is."""
+    for failure in getattr(error, "worker_failures", {}).values():
+        for cause in (failure, getattr(failure, "cause", None), failure.__cause__):
+            if isinstance(cause, DartsError):
+                return cause
+    return None
+
+
+def _read_checkpoint(checkpoint: ray.train.Checkpoint) -> tuple[DartsCorrections, dict, dict, dict]:
+    with checkpoint.as_directory() as folder:
+        folder = Path(folder)
+        corrections, _ = load_corrections(folder / CORRECTIONS_FILE)
+        progress = json.loads((folder / PROGRESS_FILE).read_text())
+        rows: dict[int, dict[str, list[int]]] = {}
+        entropy: dict[str, dict[int, np.ndarray]] = {}
+        for path in sorted(folder.glob("rows-*.npz")):
+            rank = int(path.stem.split("-")[1])
+            rows[rank] = {}
+            with np.load(path) as saved:
+                for key in saved.files:
+                    task, row = key.rsplit("/", 1)
+                    rows[rank].setdefault(task, []).append(int(row))
+                    entropy.setdefault(task, {})[int(row)] = saved[key]
+    return corrections, progress, rows, entropy
+
+
+def run_calibration_job(plan: JobPlan) -> JobResult:
+    """Stream every expert's targets into the training workers and train the corrections there."""
+    check_plan(plan)
+    settings, cluster = plan.settings, plan.cluster
+    started = time.time()
+    fail_expert_after = _env_int(FAIL_EXPERT_AFTER)
+    with ray_session(plan.address, logical_cpus(plan)):
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={
+                "settings": settings,
+                "tasks": list(plan.data),
+                "merged_dir": str(plan.merged_dir),
+                "zero_stage": cluster.zero_stage,
+                "checkpoint_every": cluster.checkpoint_every,
+                "feature_memory_mb": cluster.feature_memory_mb,
+                "fail_at_step": _env_int(FAIL_WORKER_AT_STEP),
+            },
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=cluster.num_workers,
+                use_gpu=cluster.use_gpu,
+                resources_per_worker={"CPU": cluster.cpus_per_worker, **cluster.worker_resources},
+            ),
+            datasets={
+                task: expert_stream(data, plan.experts[task], settings, cluster, fail_expert_after)
+                for task, data in plan.data.items()
+            },
+            # Back-pressure: each expert's stream may hold this much of the object store, no more.
+            dataset_config=ExactlyOnceSplit(execution_options=ExecutionOptions(
+                resource_limits=ExecutionResources(object_store_memory=cluster.stream_buffer_mb << 20),
+            )),
+            run_config=ray.train.RunConfig(
+                name=plan.run_id,
+                storage_path=plan.storage_path,
+                failure_config=ray.train.FailureConfig(max_failures=cluster.max_failures),
+                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+                # DeepSpeed would look for CUDA first; on a CPU cluster it must use its CPU accelerator.
+                worker_runtime_env={} if cluster.use_gpu else {"env_vars": {"DS_ACCELERATOR": "cpu"}},
+            ),
+        )
+        with ObjectStoreSampler() as store_use:
+            try:
+                result = trainer.fit()
+            except ray.train.TrainingFailedError as error:
+                raise (_user_error(error) or error) from None
+    finished = time.time()
+    corrections, progress, rows, entropy = _read_checkpoint(result.checkpoint)
+    timings = progress["timings"]
+    return JobResult(
+        corrections=corrections,
+        losses=progress["losses"],
+        rows=rows,
+        entropy=entropy,
+        stream=progress["stream"],
+        timings={
+            "startup": timings["worker_start"] - started + timings["setup"],
+            "stream": timings["stream"],
+            "train": timings.get("train", 0.0),
+            "total": finished - started,
+        },
+        resumed_from=progress["resumed_from"],
+        checkpoint_path=result.checkpoint.path,
+        object_store_peak_bytes=store_use.peak,
+    )
+
+
+def default_run_id(config: RunConfig, merged_dir: Path, data: Mapping[str, TokenizedSet]) -> str:
+    """NAME-<hash of what decides the result>: an unchanged command resumes its run, a changed one starts anew."""
+    digest = hashlib.sha256()
+    decisive = {
+        "calibration": config.calibration.model_dump(mode="json"),
+        "experts": {e.task: e.path for e in config.sources.experts},
+        "merged": content_hash(merged_dir),
+        "workers": config.cluster.num_workers,
+        "zero_stage": config.cluster.zero_stage,
+    }
+    digest.update(json.dumps(decisive, sort_keys=True).encode())
+    for task, rows in data.items():
+        digest.update(task.encode() + rows.input_ids.numpy().tobytes() + rows.response_mask.numpy().tobytes())
+    return f"{config.name}-{digest.hexdigest()[:12]}"
+
+
+def job_plan(config: RunConfig, sources: ResolvedSources, merged_dir: Path, address: str | None = None) -> JobPlan:
+    """The job for a validated config: calibration sets tokenised as the in-process stage does."""
+    tokenizer = load_tokenizer(sources.base)
+    data = {task: tokenized(config, sources, task, "calibration", tokenizer) for task in config.tasks}
+    for task, rows in data.items():
+        if rows.num_truncated:
+            print(f"calibrate: {rows.num_truncated} {task} samples cut to max_length={config.calibration.max_length}")
+    cluster = config.cluster
+    return JobPlan(
+        data=data,
+        experts=dict(sources.experts),
+        merged_dir=Path(merged_dir).absolute(),
+        settings=config.calibration,
+        cluster=cluster,
+        run_id=cluster.run_id or default_run_id(config, merged_dir, data),
+        storage_path=cluster.storage_path or str((config.run_dir / "ray-train").absolute()),
+        address=address or cluster.address or os.environ.get("RAY_ADDRESS"),
+    )
+
+
+def entropy_features(task: str, index: int, data: TokenizedSet, entropy: Mapping[int, np.ndarray]) -> TaskFeatures:
+    """A task's calibration set with the entropies the experts streamed (no hidden states)."""
+    values = np.zeros(tuple(data.input_ids.shape), dtype=np.float32)
+    for row, h in entropy.items():
+        values[row, : len(h)] = h
+    return TaskFeatures(task=task, task_index=index, input_ids=data.input_ids, attention_mask=data.attention_mask,
+                        response_mask=data.response_mask, positions=batch_positions(data.attention_mask),
+                        entropy=torch.from_numpy(values), targets={})
+
+
+def calibrate_distributed(
+    config: RunConfig, sources: ResolvedSources, merged_dir: Path, address: str | None = None
+) -> CalibrationOutcome:
+    """The calibrate stage as a Ray job; saves RUN_DIR/corrections.safetensors like the in-process stage."""
+    plan = job_plan(config, sources, merged_dir, address)
+    print(f"calibrate: Ray run {plan.run_id}, {config.cluster.num_workers} worker(s), ZeRO-{config.cluster.zero_stage}, "
+          f"checkpoints in {plan.storage_path}")
+    job = run_calibration_job(plan)
+    path = save_corrections(config.run_dir / "corrections.safetensors", job.corrections,
+                            metadata=corrections_metadata(merged_dir))
+    rows = int(job.stream["rows"])
+    print(f"calibrate: {rows} rows streamed, {len(job.losses)} steps, loss {job.losses[0]:.4f} -> {job.losses[-1]:.4f}, "
+          f"{rows / max(job.timings['stream'], 1e-9):.1f} rows/s; seconds: "
+          + ", ".join(f"{name} {value:.1f}" for name, value in job.timings.items()))
+    weights = {
+        task: token_weights(entropy_features(task, index, plan.data[task], job.entropy[task]), config.calibration)
+        for index, task in enumerate(plan.data)
+    }
+    result = CalibrationResult(corrections=job.corrections, losses=job.losses, seconds=job.timings["train"])
+    return CalibrationOutcome(corrections_path=path, result=result, entropy_weights=weights)

@@ -1,0 +1,65 @@
+"""The MLflow pyfunc model of a corrected merged model: prompts (and tasks) in, generated text out.
+
+This file is the model's code in MLflow's models-from-code form: `registry.log_pyfunc_model`
+hands its *path* to `mlflow.pyfunc.log_model`, MLflow stores a copy of it with the model, and
+`mlflow.pyfunc.load_model` executes that copy, so loading a model unpickles nothing. darts-dist
+itself never imports this module (running it registers the model with MLflow's `set_model`).
+`load_context` reads only the model's own artifacts: the merged model folder (weights,
+config, tokenizer) and the corrections' safetensors file.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+from mlflow.pyfunc import PythonModel, PythonModelContext
+
+from darts_dist.generation import CorrectedLM
+from darts_dist.registry import CORRECTIONS_ARTIFACT, MERGED_ARTIFACT, PARAM_DEFAULTS
+
+
+def _task(value: object) -> str | None:
+    # A missing task arrives as None, NaN (pandas fills a column that way) or an empty string.
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
+        return None
+    return str(value)
+
+
+class DartsPyfunc(PythonModel):
+    """`predict` takes a DataFrame of `prompt` and optional `task`; params carry the generation settings."""
+
+    def load_context(self, context: PythonModelContext) -> None:
+        corrections = context.artifacts.get(CORRECTIONS_ARTIFACT)
+        self.lm = CorrectedLM.load(
+            Path(context.artifacts[MERGED_ARTIFACT]), None if corrections is None else Path(corrections)
+        )
+
+    def predict(
+        self, context: PythonModelContext, model_input: pd.DataFrame, params: dict | None = None
+    ) -> pd.DataFrame:
+        settings = {**PARAM_DEFAULTS, **(params or {})}
+        prompts = [str(p) for p in model_input["prompt"]]
+        tasks = [_task(t) for t in model_input["task"]] if "task" in model_input else None
+        options = {
+            "max_new_tokens": int(settings["max_new_tokens"]),
+            "temperature": float(settings["temperature"]),
+            "top_p": float(settings["top_p"]),
+            "stop": list(settings["stop"]) or None,
+            "seed": int(settings["seed"]),
+        }
+        if settings["chat"]:
+            completions = self.lm.chat([[{"role": "user", "content": p}] for p in prompts], tasks, **options)
+        else:
+            completions = self.lm.generate(prompts, tasks, **options)
+        return pd.DataFrame({
+            "text": [c.text for c in completions],
+            "finish_reason": [c.finish_reason for c in completions],
+            "prompt_tokens": [c.prompt_tokens for c in completions],
+            "completion_tokens": [c.completion_tokens for c in completions],
+        })
+
+
+mlflow.models.set_model(DartsPyfunc())

@@ -1,0 +1,201 @@
+"""Expert actors -> Ray Data rows: each expert streams its own task's targets, with back-pressure.
+
+A row is one calibration sample, cut to its real length: `task`, `row` (its index in the task's
+calibration set, so that "every row exactly once" can be checked), `input_ids`,
+`attention_mask`, `response_mask`, `entropy` (H_t, fp32: one scalar per token) and
+`target.<layer>` (h^k at each surgery layer). Hidden states travel in the expert's compute
+dtype: fp32 on CPU, fp16 or bf16 on GPU (bf16, which numpy lacks, as its raw 16 bits).
+
+Imports stay light at the top: Ray Data and Ray Train unpickle `ExpertStream` and `ExactlyOnceSplit`
+in their controller and coordinator processes, which never run a model, and torch plus
+transformers would cost each of those processes seconds. The expert actor imports them itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import ray
+import ray.data
+import ray.train
+
+from darts_dist.config import CalibrationSection, ClusterSection
+
+if TYPE_CHECKING:
+    from darts_dist.data import TokenizedSet
+    from darts_dist.features import LayerKey
+
+TOKEN_FIELDS = ("input_ids", "attention_mask", "response_mask")
+
+
+def target_column(layer: LayerKey) -> str:
+    """The column holding h^k at one surgery layer."""
+    return f"target.{layer}"
+
+
+def source_rows(data: TokenizedSet) -> list[dict[str, object]]:
+    """One item per sample of a task's calibration set, cut to its real length, for `ray.data.from_items`."""
+    lengths = data.attention_mask.sum(dim=1).tolist()
+    return [
+        {
+            "task": data.task,
+            "row": row,
+            **{name: getattr(data, name)[row, :length].numpy() for name in TOKEN_FIELDS},
+        }
+        for row, length in enumerate(lengths)
+    ]
+
+
+def pad_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
+    """Right-pad per-sample arrays [L_i, ...] with zeros into one array [B, max L_i, ...]."""
+    length = max(len(row) for row in rows)
+    first = np.asarray(rows[0])
+    out = np.zeros((len(rows), length, *first.shape[1:]), dtype=first.dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def to_wire(values: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 values that are exact in `dtype` (float32, float16 or bfloat16), as they travel in it.
+
+    bf16 travels as its raw 16 bits (uint16): it is the top half of the fp32 with the same value.
+    """
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if dtype == "bfloat16":
+        return (values.view(np.uint32) >> 16).astype(np.uint16)
+    return values.astype(dtype, copy=False)
+
+
+def from_wire(array: np.ndarray) -> np.ndarray:
+    """The fp32 values of hidden states as they travel: fp32, fp16, or bf16 bits (uint16)."""
+    array = np.asarray(array)
+    if array.dtype == np.uint16:
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32, copy=False)
+
+
+def _ragged(batch: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
+    """Per-sample arrays cut to each sample's length (an object array, so Ray Data keeps them ragged)."""
+    out = np.empty(len(lengths), dtype=object)
+    for i, length in enumerate(lengths):
+        out[i] = batch[i, :length]
+    return out
+
+
+class ExpertStream:
+    """The Ray Data actor of one expert: loads the expert once and turns its task's samples into rows."""
+
+    def __init__(
+        self, model_path: str, layers: Sequence[LayerKey], dtype: str, device: str, fail_after_batches: int | None
+    ) -> None:
+        from darts_dist.features import model_dtype, resolve_device
+        from darts_dist.models import load_causal_lm
+
+        # "auto" resolves inside the actor: one that Ray gave a GPU uses it, one without stays on the CPU.
+        self.device = resolve_device(device)
+        self.dtype = model_dtype(dtype, self.device)
+        self.model = load_causal_lm(Path(model_path), dtype=self.dtype, device=self.device)
+        self.wire_dtype = str(self.dtype).removeprefix("torch.")
+        self.layers = list(layers)
+        self.fail_after_batches = fail_after_batches
+        self.batches = 0
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        from darts_dist.features import expert_targets
+
+        self._maybe_fail()
+        lengths = [len(ids) for ids in batch["input_ids"]]
+        ids = torch.from_numpy(pad_rows(batch["input_ids"])).to(self.device)
+        mask = torch.from_numpy(pad_rows(batch["attention_mask"])).to(self.device)
+        hidden, entropy = expert_targets(self.model, ids, mask, self.layers)
+        rows = {name: batch[name] for name in ("task", "row", *TOKEN_FIELDS)}
+        rows["entropy"] = _ragged(entropy.cpu().numpy(), lengths)
+        for layer in self.layers:
+            # expert_targets upcasts to fp32; sent in the compute dtype (exact), half as many bytes leave GPUs.
+            values = to_wire(hidden[layer].cpu().numpy(), self.wire_dtype)
+            rows[target_column(layer)] = _ragged(values, lengths)
+        self.batches += 1
+        return rows
+
+    def _maybe_fail(self) -> None:
+        # Fault injection for the restart test (DARTS_DIST_FAIL_EXPERT_AFTER): die hard, once, in the
+        # actor's first life, as a lost node would; Ray restarts the actor and retries the batch.
+        if self.fail_after_batches is None or self.batches < self.fail_after_batches:
+            return
+        if not ray.get_runtime_context().was_current_actor_reconstructed:
+            os._exit(1)
+
+
+def expert_resources(cluster: ClusterSection) -> dict[str, object]:
+    """Ray resources of one expert actor: `cluster.expert_resources`, else 1 GPU on a GPU cluster, else 1 CPU."""
+    wanted = dict(cluster.expert_resources)
+    return {
+        "num_cpus": wanted.pop("CPU", 1.0),
+        "num_gpus": wanted.pop("GPU", 1.0 if cluster.use_gpu else 0.0),
+        "resources": wanted,
+    }
+
+
+def expert_stream(
+    data: TokenizedSet,
+    model_path: Path,
+    settings: CalibrationSection,
+    cluster: ClusterSection,
+    fail_after_batches: int | None = None,
+) -> ray.data.Dataset:
+    """The rows of one task: its samples, run through one actor that holds its expert.
+
+    The actor runs batches of `settings.batch_size` samples, as the in-process reference does. A
+    lost actor is restarted up to `cluster.max_failures` times and its lost batches are retried.
+    """
+    dataset = ray.data.from_items(source_rows(data)).map_batches(
+        ExpertStream,
+        fn_constructor_kwargs={
+            "model_path": str(model_path),
+            "layers": list(settings.layers),
+            "dtype": settings.dtype,
+            "device": settings.device,
+            "fail_after_batches": fail_after_batches,
+        },
+        batch_size=settings.batch_size,
+        compute=ray.data.ActorPoolStrategy(size=1),
+        max_restarts=cluster.max_failures,
+        **expert_resources(cluster),
+    )
+    dataset.set_name(f"expert-{data.task}")
+    # darts-dist prints its own progress; Ray Data's bars would interleave with it.
+    dataset.context.enable_progress_bars = False
+    return dataset
+
+
+class ExactlyOnceSplit(ray.train.DataConfig):
+    """Split each expert's stream over the training workers so that every row reaches exactly one.
+
+    Ray Train's default split (equal=True) drops the remainder rows to give every worker the same
+    count. Without it, Ray Data hands each block to the worker that has the fewest rows so far, so
+    workers still get about the same share of every task.
+    """
+
+    def configure(
+        self,
+        datasets: dict[str, ray.data.Dataset],
+        world_size: int,
+        worker_handles: list | None,
+        worker_node_ids: list | None,
+        **kwargs: object,
+    ) -> list[dict[str, ray.data.DataIterator]]:
+        shards: list[dict[str, ray.data.DataIterator]] = [{} for _ in range(world_size)]
+        for name, dataset in datasets.items():
+            dataset = dataset.copy(dataset)
+            dataset.context.execution_options = self._resolve_execution_options(name)
+            hints = worker_node_ids if self._enable_shard_locality else None
+            for rank, shard in enumerate(dataset.streaming_split(world_size, equal=False, locality_hints=hints)):
+                shards[rank][name] = shard
+        return shards

@@ -1,0 +1,279 @@
+"""MLflow tracking and registry against a real `mlflow server`: runs, the pyfunc model, the alias, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from darts_dist.cli import main
+from darts_dist.errors import DartsError
+from darts_dist.generation import CorrectedLM
+from darts_dist.registry import DECISION_TAG, DECISIVE_METRIC, MODEL_URI_TAG, VERSION_TAG, register_version
+from darts_dist.tracking import connect, experiment_id, tracking_uri
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny-darts"
+STEPS = 6
+PROMPT, TASK = "def add(a, b):", "code"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """mlflow/server.sh on a free loopback port, with its data in a temporary folder."""
+    data = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    env = {**os.environ, "DARTS_MLFLOW_DATA": str(data), "DARTS_MLFLOW_PORT": str(port), "DARTS_MLFLOW_WORKERS": "1"}
+    log = (data / "server.log").open("w")
+    # A session of its own, so the server's worker processes are stopped with it.
+    process = subprocess.Popen(["bash", str(REPO / "mlflow" / "server.sh")], env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, (data / "server.log").read_text()[-2000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "mlflow server did not come up in 120 s"
+            time.sleep(0.3)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=3)  # the data is throwaway: no need to wait for a slow graceful exit
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def write_config(tiny_family, folder: Path) -> Path:
+    """Two tasks of the tiny family, with calibration and held-out files; a few fast steps."""
+    data = folder / "data"
+    data.mkdir(parents=True)
+    for task in ("code", "math"):
+        rows = [{"text": f"def f_{task}_{i}(x):\n    return x * {i} + {i + 1}\n"} for i in range(10)]
+        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {
+        "name": "tracked",
+        "sources": {
+            "base": str(tiny_family.base),
+            "experts": [
+                {"task": t, "path": str(tiny_family.experts[t]),
+                 "data": {"calibration": f"data/{t}.jsonl", "heldout": f"data/{t}.jsonl"}}
+                for t in ("code", "math")
+            ],
+        },
+        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
+        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "batch_size": 4,
+                        "steps": STEPS, "learning_rate": 0.05},
+        "tracking": {"experiment": "test-tracking", "registered_model": MODEL},
+    }
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tracked(server: str, tiny_family, tmp_path_factory: pytest.TempPathFactory):
+    """One `darts-dist calibrate` tracked on the server: its report, run folder and a client."""
+    folder = tmp_path_factory.mktemp("tracked")
+    config = write_config(tiny_family, folder)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", server)
+        assert main(["calibrate", str(config), "--output-dir", str(folder / "runs")]) == 0
+    run_dir = folder / "runs" / "tracked"
+    return SimpleNamespace(report=json.loads((run_dir / "calibration.json").read_text()), run_dir=run_dir,
+                           client=MlflowClient(server, server), uri=server)
+
+
+def artifact_paths(client: MlflowClient, run_id: str, folder: str | None = None) -> set[str]:
+    paths = set()
+    for item in client.list_artifacts(run_id, folder):
+        paths |= artifact_paths(client, run_id, item.path) if item.is_dir else {item.path}
+    return paths
+
+
+def test_a_calibration_logs_params_metrics_and_artifacts(tracked, tmp_path: Path) -> None:
+    client, tracking = tracked.client, tracked.report["tracking"]
+    assert tracking["uri"] == tracked.uri
+    parent = client.get_run(tracking["run_id"])
+    merge = client.get_run(tracking["stage_runs"]["merge"])
+    calibration = client.get_run(tracking["stage_runs"]["calibration"])
+    for run in (merge, calibration):
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert {run.info.status for run in (parent, merge, calibration)} == {"FINISHED"}
+
+    # The whole validated config on the parent run.
+    assert parent.data.params["name"] == "tracked"
+    assert parent.data.params["calibration.rank"] == "4"
+    assert parent.data.params["tracking.registered_model"] == MODEL
+    assert {"config.json", "report.json"} <= artifact_paths(client, parent.info.run_id)
+
+    # Merge: method and parameters from the resolved mergekit YAML, sources with content hashes.
+    assert merge.data.params["mergekit.merge_method"] == "task_arithmetic"
+    assert merge.data.params["mergekit.parameters.weight"] == "0.5"
+    for role in ("base", "code", "math"):
+        assert len(merge.data.params[f"source.{role}.hash"]) == 16
+    assert artifact_paths(client, merge.info.run_id) == {"merged/config.json", "merged/mergekit_config.yml"}
+
+    # Calibration: hyperparameters, system tags, per-step metrics, evaluation, artifacts.
+    assert calibration.data.params["calibration.steps"] == str(STEPS)
+    assert calibration.data.params["calibration.learning_rate"] == "0.05"
+    tags = calibration.data.tags
+    assert (tags["darts.executor"], tags["darts.device"], tags["darts.ray_address"]) == ("in-process", "cpu", "local")
+    assert (tags["darts.num_workers"], tags["darts.zero_stage"]) == ("1", "0")
+    losses = client.get_metric_history(calibration.info.run_id, "loss")
+    assert [m.step for m in losses] == list(range(1, STEPS + 1))
+    assert [m.value for m in losses] == pytest.approx(tracked.report["calibration"]["losses"])
+    assert all(m.value > 0 for m in client.get_metric_history(calibration.info.run_id, "rows_per_second"))
+    metrics = calibration.data.metrics
+    evaluation = tracked.report["variants"]["darts"]
+    assert metrics[DECISIVE_METRIC] == pytest.approx(evaluation["overall"]["nll_corrected"])
+    assert metrics["eval.math.bias_reduction"] == pytest.approx(evaluation["tasks"]["math"]["bias_reduction"])
+    by_position = client.get_metric_history(calibration.info.run_id, "eval.code.bias_after_by_position")
+    assert [m.step for m in by_position] == [0]  # max_length 16: only the first bucket, 0-15
+    assert artifact_paths(client, calibration.info.run_id) == {
+        "corrections/corrections.safetensors", "corrections/header.json", "evaluation.json",
+        "plots/loss.png", "plots/entropy_weights.png", "plots/bias_by_position.png",
+    }
+    header = json.loads(Path(client.download_artifacts(calibration.info.run_id, "corrections/header.json",
+                                                       str(tmp_path))).read_text())
+    assert header["spec"]["tasks"] == ["code", "math"]
+    plot = client.download_artifacts(calibration.info.run_id, "plots/entropy_weights.png", str(tmp_path))
+    assert Path(plot).read_bytes().startswith(b"\x89PNG")
+
+    # The report names the run, the registered version and the alias.
+    assert tracking["model_uri"] == f"models:/{MODEL}/1"
+    assert (tracking["alias"], tracking["alias_version"], tracking["promoted"]) == ("champion", "1", True)
+    assert tags[VERSION_TAG] == f"{MODEL}/1" and tags[DECISION_TAG] == tracking["decision"]
+
+
+def test_the_champion_loads_in_a_fresh_process_and_generates_like_darts_dist(tracked, tmp_path: Path) -> None:
+    script = (
+        "import json, sys, mlflow, pandas as pd\n"
+        f"model = mlflow.pyfunc.load_model('models:/{MODEL}@champion')\n"
+        f"out = model.predict(pd.DataFrame({{'prompt': [{PROMPT!r}], 'task': [{TASK!r}]}}),\n"
+        "                     params={'max_new_tokens': 10})\n"
+        "print(json.dumps(out.to_dict(orient='records')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "MLFLOW_TRACKING_URI": tracked.uri}, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [served] = json.loads(result.stdout.strip().splitlines()[-1])
+    lm = CorrectedLM.load(tracked.run_dir / "merged", tracked.run_dir / "corrections.safetensors")
+    [own] = lm.generate([PROMPT], [TASK], max_new_tokens=10)
+    assert served == {"text": own.text, "finish_reason": own.finish_reason,
+                      "prompt_tokens": own.prompt_tokens, "completion_tokens": own.completion_tokens}
+
+
+def _evaluated_run(tracked, value: float) -> str:
+    """A run whose held-out evaluation scored `value` on the decisive metric."""
+    client = tracked.client
+    experiment = client.get_experiment_by_name("test-tracking").experiment_id
+    run_id = client.create_run(experiment, run_name=f"scored {value}").info.run_id
+    client.log_metric(run_id, DECISIVE_METRIC, value)
+    client.set_terminated(run_id)
+    return run_id
+
+
+def _champion(tracked) -> tuple[str, float]:
+    holder = tracked.client.get_model_version_by_alias(MODEL, "champion")
+    return holder.version, tracked.client.get_run(holder.run_id).data.metrics[DECISIVE_METRIC]
+
+
+def test_the_alias_moves_only_to_an_evaluation_at_least_as_good(tracked) -> None:
+    client, logged = tracked.client, tracked.report["tracking"]["logged_model_uri"]
+    holder, score = _champion(tracked)
+    worse = register_version(client, MODEL, logged, _evaluated_run(tracked, score + 0.5), "champion")
+    assert not worse.promoted and worse.alias_version == holder
+    assert _champion(tracked)[0] == holder
+    assert "kept 'champion'" in client.get_model_version(MODEL, worse.version).tags[DECISION_TAG]
+    better = register_version(client, MODEL, logged, _evaluated_run(tracked, score - 0.5), "champion")
+    assert better.promoted and _champion(tracked)[0] == better.version
+    tie = register_version(client, MODEL, logged, _evaluated_run(tracked, score - 0.5), "champion")
+    assert tie.promoted and _champion(tracked)[0] == tie.version  # "at least as good"
+
+
+def test_a_failed_registration_leaves_nothing_half_registered(tracked, monkeypatch: pytest.MonkeyPatch) -> None:
+    client, logged = tracked.client, tracked.report["tracking"]["logged_model_uri"]
+    holder, score = _champion(tracked)
+    versions = {v.version for v in client.search_model_versions(f"name = '{MODEL}'")}
+
+    def broken(*args, **kwargs):
+        raise ConnectionError("tracking server went away")
+
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", broken)
+    run_id = _evaluated_run(tracked, score - 1.0)  # better: registration would move the alias
+    with pytest.raises(ConnectionError):
+        register_version(client, MODEL, logged, run_id, "champion")
+    assert {v.version for v in client.search_model_versions(f"name = '{MODEL}'")} == versions
+    assert _champion(tracked)[0] == holder
+    assert VERSION_TAG not in client.get_run(run_id).data.tags
+
+
+def test_register_command_registers_a_tracked_run_once(tracked, capsys, tmp_path: Path) -> None:
+    run_dir, client = tracked.run_dir, tracked.client
+    calibration = tracked.report["tracking"]["stage_runs"]["calibration"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", tracked.uri)
+        assert main(["register", str(run_dir)]) == 2
+        assert "already registered" in capsys.readouterr().err
+        # As if registration had never happened (e.g. the server was down): the command logs and registers it.
+        client.delete_tag(calibration, VERSION_TAG)
+        client.delete_tag(calibration, MODEL_URI_TAG)
+        report = tmp_path / "register.json"
+        assert main(["register", tracked.report["tracking"]["run_id"], "--report", str(report)]) == 0
+    registered = json.loads(report.read_text())["tracking"]
+    assert registered["model_uri"] == f"models:/{MODEL}/{registered['version']}"
+    assert client.get_run(calibration).data.tags[VERSION_TAG] == f"{MODEL}/{registered['version']}"
+    assert client.get_model_version(MODEL, registered["version"]).run_id == calibration
+
+
+def test_an_unreachable_tracking_server_fails_fast(tiny_family, tmp_path: Path, capsys,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there once the probe socket is closed
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", closed)
+    config = write_config(tiny_family, tmp_path)
+    started = time.monotonic()
+    assert main(["calibrate", str(config), "--output-dir", str(tmp_path / "runs")]) == 2
+    assert time.monotonic() - started < 15
+    err = capsys.readouterr().err
+    assert f"cannot reach the MLflow tracking store {closed}" in err and "fix:" in err
+    assert not (tmp_path / "runs").exists()  # stopped before the merge, so before any model was loaded
+
+
+def test_the_environment_wins_and_a_sqlite_store_is_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    embedded = os.environ["MLFLOW_TRACKING_URI"]  # the test session's sqlite file (conftest)
+    assert tracking_uri("sqlite:///mlflow.db") == embedded
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(tmp_path)
+    assert tracking_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(DartsError, match="cannot reach"):
+        connect("http://127.0.0.1:1")
+    client = connect(embedded)
+    experiment = client.get_experiment(experiment_id(client, embedded, "local-artifacts"))
+    folder = Path(embedded.removeprefix("sqlite:///")).parent / "mlartifacts" / "local-artifacts"
+    assert experiment.artifact_location == folder.as_uri()
