@@ -14,6 +14,8 @@ import logging
 import os
 import tempfile
 import time
+from queue import Queue
+from threading import Thread
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,10 +109,11 @@ def _to(value: object, device: torch.device) -> object:
 
 
 def deepspeed_config(settings: CalibrationSection, zero_stage: int) -> dict[str, object]:
-    """Plain fp32 ZeRO with torch's own Adam (L2 weight decay, as the reference loop's optimizer)."""
+    """Plain fp32 ZeRO stepping exactly as the reference loop does: torch's own Adam, L2 weight decay, no clipping."""
     return {
         "train_micro_batch_size_per_gpu": settings.batch_size,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1.0 unless told; the reference does not clip
         "zero_optimization": {"stage": zero_stage},
         "optimizer": {
             "type": "Adam",
@@ -149,15 +152,34 @@ class Progress:
             print(f"calibrate: {message}", flush=True)
 
 
-def roundrobin(*iterables: Iterator) -> Iterator:
-    """One item of each in turn, so that every expert's stream keeps flowing while the worker drains."""
-    iterators = [iter(it) for it in iterables]
-    while iterators:
-        for it in list(iterators):
-            try:
-                yield next(it)
-            except StopIteration:
-                iterators.remove(it)
+def arrivals(shards: Mapping[str, DataIterator], batch_size: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    """(task, batch) in the order the experts deliver them, every expert's stream pulled at once.
+
+    One thread per shard: a shard's pipeline starts only when first pulled, so pulling them in turn
+    would start the experts one after the other, and the slowest would hold up the rest. The bounded
+    queue passes Ray Data's back-pressure on to the threads.
+    """
+    queue: Queue = Queue(maxsize=len(shards))
+
+    def pull(task: str, shard: DataIterator) -> None:
+        try:
+            for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy"):
+                queue.put((task, batch))
+            queue.put((task, None))
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put((task, error))
+
+    for task, shard in shards.items():
+        Thread(target=pull, args=(task, shard), name=f"stream-{task}", daemon=True).start()
+    running = len(shards)
+    while running:
+        task, batch = queue.get()
+        if batch is None:
+            running -= 1
+        elif isinstance(batch, BaseException):
+            raise batch
+        else:
+            yield task, batch
 
 
 def in_lockstep(items: Iterator, device: torch.device) -> Iterator:
@@ -186,10 +208,7 @@ def drain(
     """
     device = next(module.corrections.parameters()).device
     with_merged = features_only(settings.layers)
-    batches = roundrobin(*[
-        zip(itertools.repeat(task), shard.iter_batches(batch_size=settings.batch_size, batch_format="numpy"))
-        for task, shard in shards.items()
-    ])
+    batches = arrivals(shards, settings.batch_size)
     if lockstep and with_merged:
         batches = in_lockstep(batches, device)
     received = rows = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -220,7 +221,7 @@ def _registration_target(target: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="darts-dist", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = argparse.ArgumentParser(prog="darts-dist", description="Merge fine-tuned decoder LLMs with mergekit and repair the merge with DARTS.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str, func) -> argparse.ArgumentParser:
@@ -261,8 +262,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def show_progress_logs() -> None:
+    """darts-dist's own INFO lines (downloads, conversions, stages) on stderr; other libraries stay quiet."""
+    logger = logging.getLogger("darts_dist")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    show_progress_logs()
     try:
         args.func(args)
     except DartsError as error:

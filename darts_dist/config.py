@@ -127,7 +127,7 @@ class ClusterSection(_Section):
     # Checkpoints go to RUN_DIR/ray-train by default; multi-node clusters need shared storage (NFS, s3://).
     storage_path: str | None = None
     checkpoint_every: PositiveInt = 100  # steps
-    max_failures: int = Field(default=2, ge=0)  # restarts of a lost worker group, and of each expert actor
+    max_failures: int = Field(default=2, ge=0)  # restarts of a lost worker group (Ray Data restarts lost experts)
     # Streamed features a worker keeps in memory; beyond this they spill to its local disk, memory-mapped.
     feature_memory_mb: PositiveInt = 2048
     # Object store the stream of each expert may fill before Ray Data's back-pressure pauses its actor.

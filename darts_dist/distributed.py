@@ -70,7 +70,7 @@ class JobResult:
     timings: dict[str, float]  # seconds: startup, stream, train, total
     resumed_from: int | None  # the step the last attempt started from; None for a fresh start
     checkpoint_path: str
-    object_store_peak_bytes: int
+    object_store_peak_bytes: int  # the most the object store held above its use when the job began
 
 
 def _env_int(name: str) -> int | None:
@@ -106,10 +106,14 @@ def ray_session(address: str | None, num_cpus: int) -> Iterator[None]:
 
 
 class ObjectStoreSampler:
-    """Samples the cluster's object store use from a background thread; `peak` is the most seen, in bytes."""
+    """Samples the cluster's object store use from a background thread while a block runs.
+
+    `peak` is the most it held above what it held when the block began (`baseline`), in bytes.
+    """
 
     def __init__(self, interval: float = 0.2) -> None:
         self.interval = interval
+        self.baseline = 0
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -124,10 +128,10 @@ class ObjectStoreSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self.used())
+            self.peak = max(self.peak, self.used() - self.baseline)
 
     def __enter__(self) -> ObjectStoreSampler:
-        self.peak = self.used()
+        self.baseline = self.used()
         self._thread.start()
         return self
 

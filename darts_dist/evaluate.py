@@ -67,8 +67,10 @@ def evaluate_task(
 ) -> dict[str, object]:
     """Bias |h^m_t − h^k_t| at `layer` before and after correction, by position bucket, and NLLs.
 
-    The weighted form weights each token by the expert's entropy weight with β = 1, so it
-    shows whether the correction removes bias where the expert is uncertain.
+    Bias counts every real token; NLL counts the predicted response tokens where the data
+    marks a prompt/response boundary (chat), every token otherwise. The weighted form
+    weights each token by the expert's entropy weight with β = 1, so it shows whether the
+    correction removes bias where the expert is uncertain.
     """
     device = next(merged.parameters()).device
     bias = {name: BucketMeans() for name in ("before", "after")}
@@ -80,6 +82,7 @@ def evaluate_task(
         for batch in tqdm(list(data.batches(batch_size)), desc=f"evaluate {task}", unit="batch", disable=not progress):
             ids = batch["input_ids"].to(device)
             mask = batch["attention_mask"].to(device)
+            targets = batch["response_mask"].to(device)  # all real tokens for plain text
             positions = batch_positions(mask)
             with capture_hidden(expert, [layer]) as hidden:
                 expert_logits = expert(input_ids=ids, attention_mask=mask).logits
@@ -98,8 +101,8 @@ def evaluate_task(
                 side = "before" if name == "merged" else "after"
                 bias[side].add(values, positions, mask)
                 weighted[side].add(values, positions, mask, weights)
-                nll[name].add(*token_nll(logits, ids, mask))
-            nll["expert"].add(*token_nll(expert_logits, ids, mask))
+                nll[name].add(*token_nll(logits, ids, mask, targets))
+            nll["expert"].add(*token_nll(expert_logits, ids, mask, targets))
     finally:
         if handle is not None:
             handle.remove()

@@ -152,8 +152,9 @@ def expert_stream(
 ) -> ray.data.Dataset:
     """The rows of one task: its samples, run through one actor that holds its expert.
 
-    The actor runs batches of `settings.batch_size` samples, as the in-process reference does. A
-    lost actor is restarted up to `cluster.max_failures` times and its lost batches are retried.
+    The actor runs batches of `settings.batch_size` samples, as the in-process reference does. Ray
+    Data restarts a lost actor and retries the batches it lost (its defaults: max_restarts=-1,
+    max_task_retries=-1; a batch that raises is not retried, it fails the run).
     """
     dataset = ray.data.from_items(source_rows(data)).map_batches(
         ExpertStream,
@@ -166,7 +167,6 @@ def expert_stream(
         },
         batch_size=settings.batch_size,
         compute=ray.data.ActorPoolStrategy(size=1),
-        max_restarts=cluster.max_failures,
         **expert_resources(cluster),
     )
     dataset.set_name(f"expert-{data.task}")

@@ -20,7 +20,7 @@ from darts_dist.tiny import build_tiny_tokenizer
 def setup(tiny_family):
     merged = load_causal_lm(tiny_family.base)
     expert = load_causal_lm(tiny_family.experts["math"])
-    data = tokenize_rows(load_rows(demo_data()["math"]["heldout"]), build_tiny_tokenizer(), "math", 40, 6)
+    data = tokenize_rows(load_rows(demo_data()["math"]["heldout"]), build_tiny_tokenizer(), "math", 140, 6)
     torch.manual_seed(1)
     corrections = DartsCorrections(CorrectionSpec(("code", "math"), 64, rank=4, max_positions=8), ["final"])
     with torch.no_grad():
@@ -29,10 +29,11 @@ def setup(tiny_family):
     return merged, expert, data, corrections
 
 
-def _nll(logits, ids, mask):
+def _nll(logits, ids, mask, response):
+    """Mean NLL of the predicted response tokens (chat data: the prompt is context only)."""
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(ids.shape[0], -1)
-    pair = (mask[:, 1:] * mask[:, :-1]).bool()
-    return float(loss[pair].mean())
+    counted = (mask[:, 1:] * mask[:, :-1]).bool() & response[:, 1:]
+    return float(loss[counted].mean())
 
 
 def test_numbers_equal_a_direct_computation(setup) -> None:
@@ -67,16 +68,20 @@ def test_numbers_equal_a_direct_computation(setup) -> None:
     weighted = lambda bias: float((bias * weights)[real].sum() / weights[real].sum())  # noqa: E731
     assert result["weighted_bias_reduction"] == pytest.approx(1 - weighted(after) / weighted(before), rel=1e-3)
 
-    nll_expert, nll_merged = _nll(expert_logits, ids, mask), _nll(merged_logits, ids, mask)
-    nll_corrected = _nll(corrected_logits, ids, mask)
+    response = data.response_mask
+    assert data.has_boundary and (response & real).sum() < real.sum()  # math is chat data: prompt excluded
+    nll_expert, nll_merged = _nll(expert_logits, ids, mask, response), _nll(merged_logits, ids, mask, response)
+    nll_corrected = _nll(corrected_logits, ids, mask, response)
     assert result["nll_expert"] == pytest.approx(nll_expert, rel=1e-5)
     assert result["nll_merged"] == pytest.approx(nll_merged, rel=1e-5)
     assert result["nll_corrected"] == pytest.approx(nll_corrected, rel=1e-5)
-    gap = nll_merged - nll_expert
-    expected_gap = None if gap <= 0 else (nll_merged - nll_corrected) / gap
-    # A ratio of small differences: batching noise of 1e-6 in each NLL shows up at 1e-3 here.
-    assert result["nll_gap_closed"] == (None if expected_gap is None else pytest.approx(expected_gap, abs=2e-3))
-    assert result["late_bias_reduction"] is None  # 40 tokens: nothing at positions >= 64
+    # The NLLs are checked by hand above; the gap is a ratio of their small differences, where
+    # batching noise is amplified, so check the formula on the reported values themselves.
+    merged_nll, corrected_nll, expert_nll = result["nll_merged"], result["nll_corrected"], result["nll_expert"]
+    gap = merged_nll - expert_nll
+    expected_gap = None if gap <= 0 else (merged_nll - corrected_nll) / gap
+    assert result["nll_gap_closed"] == expected_gap
+    assert result["late_bias_reduction"] is not None  # 140 tokens reach the late buckets
 
 
 def test_without_corrections_only_the_merged_side_is_reported(setup) -> None:

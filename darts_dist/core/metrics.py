@@ -17,13 +17,19 @@ def token_bias(h_a: Tensor, h_b: Tensor) -> Tensor:
     return (h_a.float() - h_b.float()).abs().mean(-1)
 
 
-def token_nll(logits: Tensor, input_ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def token_nll(
+    logits: Tensor, input_ids: Tensor, mask: Tensor, target_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """NLL_t = −log p(x_{t+1} | x_≤t), [B, S−1] fp32 (0 where not counted), and its mask.
 
-    A prediction counts when both the context token and the predicted token are real.
+    A prediction counts when both the context token and the predicted token are real and,
+    given `target_mask` [B, S], the predicted token is a target (e.g. a response token:
+    the prompt is context, not what a chat model is judged on).
     """
     mask = mask.bool()
     next_mask = mask[:, 1:] & mask[:, :-1]
+    if target_mask is not None:
+        next_mask = next_mask & target_mask[:, 1:].bool()
     V = logits.shape[-1]
     nll = F.cross_entropy(
         logits[:, :-1].float().reshape(-1, V), input_ids[:, 1:].reshape(-1), reduction="none"

@@ -1,0 +1,217 @@
+"""Calibration as a Ray job (expert actors, Ray Data, Ray Train + DeepSpeed) against the in-process reference.
+
+All tests share one local Ray cluster (about 8 s to start). Each Ray run costs 30-45 s here, mostly
+process start-up on 2 cores, so every test makes the most of its runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from darts_dist.config import parse_config
+from darts_dist.core import load_corrections, save_corrections
+from darts_dist.distributed import (
+    FAIL_EXPERT_AFTER,
+    FAIL_WORKER_AT_STEP,
+    JobResult,
+    calibrate_distributed,
+    job_plan,
+    run_calibration_job,
+)
+from darts_dist.errors import DartsError
+from darts_dist.pipeline import calibrate_stage, corrections_metadata, evaluate_stage
+from darts_dist.sources import demo_data, resolve_sources
+
+TASKS = ("code", "math")
+# Ray's path is bit-identical to the in-process loop here (same rows, same Adam); the tolerance only
+# allows for BLAS summing in another order on other machines.
+SAME_CORRECTIONS_ATOL = 1e-6
+# Two workers train on two halves of the rows with gradients averaged: another sampling of the same
+# problem, so the result's held-out bias reduction is close to the reference's, not equal.
+BIAS_REDUCTION_TOLERANCE = 0.1
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local cluster for the module, logically oversubscribed: Ray Data next to Ray Train
+    deadlocks on 2 CPUs (DESIGN.md §4)."""
+    # DeepSpeed compiles its CPU comm op (about a minute) on first use: keep the build in torch's own
+    # cache, so it happens once per machine rather than once per run of the tests.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    ray.init(num_cpus=8, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def make_config(tiny_family, out: Path, data: dict[str, str] | None = None, calibration=None, cluster=None):
+    data = data or {task: f"demo:{task}" for task in TASKS}
+    return parse_config({
+        "name": "t",
+        "output_dir": str(out),
+        "sources": {
+            "base": str(tiny_family.base),
+            "experts": [
+                {"task": task, "path": str(tiny_family.experts[task]),
+                 "data": {"calibration": data[task], "heldout": f"demo:{task}"}}
+                for task in TASKS
+            ],
+        },
+        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 12, "max_length": 24, "batch_size": 4,
+                        "steps": 30, "learning_rate": 0.01, **(calibration or {})},
+        "cluster": {"checkpoint_every": 10, "max_failures": 1, **(cluster or {})},
+    })
+
+
+def run_job(config, tiny_family) -> JobResult:
+    return run_calibration_job(job_plan(config, resolve_sources(config), tiny_family.base))
+
+
+def bias_reduction(config, tiny_family, corrections) -> float:
+    """Held-out bias reduction of in-memory corrections, as `darts-dist evaluate` measures it."""
+    path = save_corrections(config.run_dir / "job.safetensors", corrections,
+                            metadata=corrections_metadata(tiny_family.base))
+    return evaluate_stage(config, resolve_sources(config), tiny_family.base, path)["overall"]["bias_reduction"]
+
+
+def assert_every_row_once(job: JobResult, sizes: dict[str, int], workers: int) -> None:
+    """Each calibration row reached exactly one worker: per-task histogram and ids, over all workers."""
+    assert sorted(job.rows) == list(range(workers))
+    for task, size in sizes.items():
+        received = [row for ranks in job.rows.values() for row in ranks.get(task, [])]
+        assert len(received) == size, (task, len(received), size)
+        assert sorted(received) == list(range(size))
+        assert all(ranks.get(task) for ranks in job.rows.values()), "every worker trains on every task"
+    assert job.stream["rows"] == sum(sizes.values())
+
+
+def checkpoints(config) -> list[Path]:
+    return sorted((config.run_dir / "ray-train").glob("*/checkpoint_*"))
+
+
+@pytest.fixture(scope="module")
+def undisturbed(ray_cluster, tiny_family, tmp_path_factory):
+    """One worker, ZeRO 0: the Ray path and the in-process loop on the same config."""
+    config = make_config(tiny_family, tmp_path_factory.mktemp("ray"))
+    sources = resolve_sources(config)
+    ray_outcome = calibrate_distributed(config, sources, tiny_family.base)
+    reference = calibrate_stage(make_config(tiny_family, tmp_path_factory.mktemp("ref")), sources, tiny_family.base)
+    return config, ray_outcome, reference
+
+
+def test_one_worker_zero0_equals_the_in_process_loop(undisturbed) -> None:
+    config, ray_outcome, reference = undisturbed
+    for (name, ours), theirs in zip(ray_outcome.result.corrections.named_parameters(),
+                                   reference.result.corrections.parameters()):
+        torch.testing.assert_close(ours, theirs, atol=SAME_CORRECTIONS_ATOL, rtol=0, msg=name)
+    assert ray_outcome.result.losses == pytest.approx(reference.result.losses, abs=SAME_CORRECTIONS_ATOL)
+    saved, _ = load_corrections(ray_outcome.corrections_path)
+    torch.testing.assert_close(saved["final"].position, reference.result.corrections["final"].position,
+                               atol=SAME_CORRECTIONS_ATOL, rtol=0)
+    for task in TASKS:  # the entropy weights the experts streamed are the ones the reference computed
+        torch.testing.assert_close(ray_outcome.entropy_weights[task], reference.entropy_weights[task])
+
+
+def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(undisturbed, tiny_family) -> None:
+    config, first, _ = undisturbed
+    before = checkpoints(config)
+    again = calibrate_distributed(config, resolve_sources(config), tiny_family.base)
+    assert checkpoints(config) == before  # no step was trained again
+    for ours, theirs in zip(again.result.corrections.parameters(), first.result.corrections.parameters()):
+        assert torch.equal(ours, theirs)
+    assert again.result.losses == first.result.losses
+
+
+def test_lost_worker_resumes_from_its_last_checkpoint(undisturbed, tiny_family, tmp_path, monkeypatch) -> None:
+    _, reference_run, _ = undisturbed
+    monkeypatch.setenv(FAIL_WORKER_AT_STEP, "15")  # after the checkpoint at step 10
+    job = run_job(make_config(tiny_family, tmp_path), tiny_family)
+    assert job.resumed_from == 10
+    assert len(job.losses) == 30
+    for ours, theirs in zip(job.corrections.parameters(), reference_run.result.corrections.parameters()):
+        torch.testing.assert_close(ours, theirs, atol=SAME_CORRECTIONS_ATOL, rtol=0)
+    assert job.losses == pytest.approx(reference_run.result.losses, abs=SAME_CORRECTIONS_ATOL)
+
+
+def test_killed_expert_actors_are_restarted_and_every_row_arrives(ray_cluster, tiny_family, tmp_path,
+                                                                  monkeypatch) -> None:
+    """Two ZeRO-3 workers on uneven shards (their merged forwards kept in lockstep), every expert lost once."""
+    monkeypatch.setenv(FAIL_EXPERT_AFTER, "1")
+    config = make_config(tiny_family, tmp_path, calibration={"num_samples": 20},
+                         cluster={"num_workers": 2, "zero_stage": 3})
+    job = run_job(config, tiny_family)
+    assert_every_row_once(job, {task: 20 for task in TASKS}, workers=2)
+    assert job.resumed_from is None  # the stream healed itself: no worker restart was needed
+    assert sum(job.losses[-5:]) / 5 < 0.8 * job.losses[0]
+
+
+def test_two_zero2_workers_stream_a_large_set_within_bounds(ray_cluster, tiny_family, tmp_path) -> None:
+    """About 40 MB of hidden states through a 1 MB-per-expert stream buffer and a 2 MB feature budget."""
+    copies = 4
+    data = {}
+    for task in TASKS:
+        rows = demo_data()[task]["calibration"].read_text().splitlines()
+        data[task] = str(tmp_path / f"{task}.jsonl")
+        Path(data[task]).write_text("\n".join(rows * copies) + "\n")
+    size = 160 * copies
+    calibration = {"num_samples": size, "max_length": 128, "batch_size": 8, "steps": 40}
+    config = make_config(tiny_family, tmp_path / "ray", data, calibration,
+                         cluster={"num_workers": 2, "zero_stage": 2, "stream_buffer_mb": int(os.environ.get("SB", "1")), "feature_memory_mb": 2})
+    job = run_job(config, tiny_family)
+    print("object store peak", job.object_store_peak_bytes, "streamed", job.stream, job.timings)
+
+    assert_every_row_once(job, {task: size for task in TASKS}, workers=2)
+    assert job.stream["bytes"] > 30e6
+    assert job.stream["spilled_bytes"] > 0 and job.stream["peak_memory_bytes"] <= 3 << 20
+    # The object store held a window of the stream, never the stream: each expert's 1 MB buffer,
+    # plus the batches in flight between actors and workers.
+    assert job.object_store_peak_bytes < 12 << 20
+    assert job.object_store_peak_bytes < job.stream["bytes"] / 3
+    assert sum(job.losses[-5:]) / 5 < job.losses[0]
+
+    import time; t = time.time()
+    reference = calibrate_stage(make_config(tiny_family, tmp_path / "ref", data, calibration),
+                                resolve_sources(config), tiny_family.base)
+    print("ref", time.time() - t); t = time.time()
+    ours = bias_reduction(config, tiny_family, job.corrections)
+    theirs = bias_reduction(config, tiny_family, reference.result.corrections)
+    print("eval", time.time() - t, ours, theirs)
+    assert ours > 0.1 and abs(ours - theirs) < BIAS_REDUCTION_TOLERANCE, (ours, theirs)
+
+
+def test_two_zero3_workers_train_multi_layer_surgery_through_the_merged_model(ray_cluster, tiny_family,
+                                                                              tmp_path) -> None:
+    """ZeRO-3 partitions the frozen merged model too; gradients flow through its layers."""
+    calibration = {"layers": [1, "final"], "num_samples": 24, "learning_rate": 1e-3}
+    config = make_config(tiny_family, tmp_path / "ray", calibration=calibration,
+                         cluster={"num_workers": 2, "zero_stage": 3})
+    job = run_job(config, tiny_family)
+    assert sum(job.losses[-5:]) / 5 < 0.8 * job.losses[0]
+    reference = calibrate_stage(make_config(tiny_family, tmp_path / "ref", calibration=calibration),
+                                resolve_sources(config), tiny_family.base)
+    ours = bias_reduction(config, tiny_family, job.corrections)
+    theirs = bias_reduction(config, tiny_family, reference.result.corrections)
+    assert ours > 0.1 and abs(ours - theirs) < BIAS_REDUCTION_TOLERANCE, (ours, theirs)
+
+
+def test_too_few_rows_for_the_workers_is_refused_before_any_work(tiny_family, tmp_path) -> None:
+    config = make_config(tiny_family, tmp_path, calibration={"num_samples": 4}, cluster={"num_workers": 2})
+    with pytest.raises(DartsError, match="too few for 2 workers"):
+        run_job(config, tiny_family)
+    assert not (config.run_dir / "ray-train").exists()
+
+
+def test_the_job_plan_resumes_the_same_command_and_not_a_changed_one(tiny_family, tmp_path) -> None:
+    config = make_config(tiny_family, tmp_path)
+    sources = resolve_sources(config)
+    plan = job_plan(config, sources, tiny_family.base)
+    assert plan.run_id == job_plan(config, sources, tiny_family.base).run_id
+    changed = make_config(tiny_family, tmp_path, calibration={"learning_rate": 0.02})
+    assert job_plan(changed, sources, tiny_family.base).run_id != plan.run_id
+    named = make_config(tiny_family, tmp_path, cluster={"run_id": "mine"})
+    assert job_plan(named, sources, tiny_family.base).run_id == "mine"
+    assert plan.storage_path == str(config.run_dir / "ray-train")
