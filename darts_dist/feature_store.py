@@ -31,8 +31,12 @@ class FeatureStore:
         self.spilled_bytes = 0
 
     def add(self, task: str, row: int, arrays: Mapping[str, np.ndarray]) -> None:
-        """Keep one row; past the memory budget, every row held in memory goes to disk."""
-        arrays = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+        """Keep a copy of one row; past the memory budget, every row held in memory goes to disk.
+
+        A copy, because rows from Ray Data may be views into the object store, which would stay
+        pinned there for as long as the store held them.
+        """
+        arrays = {name: np.array(array, order="C") for name, array in arrays.items()}
         self._check(task, row, arrays)
         self._memory[task].append((row, arrays))
         self.memory_bytes += sum(array.nbytes for array in arrays.values())

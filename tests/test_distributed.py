@@ -7,12 +7,14 @@ process start-up on 2 cores, so every test makes the most of its runs.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import ray
 import torch
 
+from darts_dist.calibration_worker import arrivals
 from darts_dist.config import parse_config
 from darts_dist.core import load_corrections, save_corrections
 from darts_dist.distributed import (
@@ -28,6 +30,7 @@ from darts_dist.pipeline import calibrate_stage, corrections_metadata, evaluate_
 from darts_dist.sources import demo_data, resolve_sources
 
 TASKS = ("code", "math")
+ALL_TASKS = ("code", "math", "instruct")
 # Ray's path is bit-identical to the in-process loop here (same rows, same Adam); the tolerance only
 # allows for BLAS summing in another order on other machines.
 SAME_CORRECTIONS_ATOL = 1e-6
@@ -58,7 +61,7 @@ def make_config(tiny_family, out: Path, data: dict[str, str] | None = None, cali
             "experts": [
                 {"task": task, "path": str(tiny_family.experts[task]),
                  "data": {"calibration": data[task], "heldout": f"demo:{task}"}}
-                for task in TASKS
+                for task in data
             ],
         },
         "calibration": {"rank": 4, "max_positions": 16, "num_samples": 12, "max_length": 24, "batch_size": 4,
@@ -150,36 +153,33 @@ def test_killed_expert_actors_are_restarted_and_every_row_arrives(ray_cluster, t
 
 
 def test_two_zero2_workers_stream_a_large_set_within_bounds(ray_cluster, tiny_family, tmp_path) -> None:
-    """About 40 MB of hidden states through a 1 MB-per-expert stream buffer and a 2 MB feature budget."""
+    """60 MB of hidden states from three experts, through 1 MB stream buffers and 2 MB feature budgets."""
     copies = 4
     data = {}
-    for task in TASKS:
+    for task in ALL_TASKS:
         rows = demo_data()[task]["calibration"].read_text().splitlines()
         data[task] = str(tmp_path / f"{task}.jsonl")
         Path(data[task]).write_text("\n".join(rows * copies) + "\n")
     size = 160 * copies
     calibration = {"num_samples": size, "max_length": 128, "batch_size": 8, "steps": 40}
     config = make_config(tiny_family, tmp_path / "ray", data, calibration,
-                         cluster={"num_workers": 2, "zero_stage": 2, "stream_buffer_mb": int(os.environ.get("SB", "1")), "feature_memory_mb": 2})
+                         cluster={"num_workers": 2, "zero_stage": 2, "stream_buffer_mb": 1, "feature_memory_mb": 2})
     job = run_job(config, tiny_family)
-    print("object store peak", job.object_store_peak_bytes, "streamed", job.stream, job.timings)
 
-    assert_every_row_once(job, {task: size for task in TASKS}, workers=2)
-    assert job.stream["bytes"] > 30e6
+    assert_every_row_once(job, {task: size for task in ALL_TASKS}, workers=2)
+    assert job.stream["bytes"] > 50e6
+    # Past its 2 MB budget each worker spilled to disk, and trained from the memory-mapped files.
     assert job.stream["spilled_bytes"] > 0 and job.stream["peak_memory_bytes"] <= 3 << 20
-    # The object store held a window of the stream, never the stream: each expert's 1 MB buffer,
-    # plus the batches in flight between actors and workers.
-    assert job.object_store_peak_bytes < 12 << 20
-    assert job.object_store_peak_bytes < job.stream["bytes"] / 3
+    # The object store held a window of the stream, never the stream: per expert its 1 MB buffer and
+    # the few 0.3 MB batches in flight between actor and worker (8-10 MB measured here).
+    assert job.object_store_peak_bytes < 16 << 20
+    assert job.object_store_peak_bytes < job.stream["bytes"] / 4
     assert sum(job.losses[-5:]) / 5 < job.losses[0]
 
-    import time; t = time.time()
     reference = calibrate_stage(make_config(tiny_family, tmp_path / "ref", data, calibration),
                                 resolve_sources(config), tiny_family.base)
-    print("ref", time.time() - t); t = time.time()
     ours = bias_reduction(config, tiny_family, job.corrections)
     theirs = bias_reduction(config, tiny_family, reference.result.corrections)
-    print("eval", time.time() - t, ours, theirs)
     assert ours > 0.1 and abs(ours - theirs) < BIAS_REDUCTION_TOLERANCE, (ours, theirs)
 
 
@@ -215,3 +215,29 @@ def test_the_job_plan_resumes_the_same_command_and_not_a_changed_one(tiny_family
     named = make_config(tiny_family, tmp_path, cluster={"run_id": "mine"})
     assert job_plan(named, sources, tiny_family.base).run_id == "mine"
     assert plan.storage_path == str(config.run_dir / "ray-train")
+
+
+class FakeShard:
+    """A worker's shard of one expert's stream: its batches, after `wait_for` is set if given."""
+
+    def __init__(self, batches: list[dict], wait_for=None, fail: bool = False) -> None:
+        self.batches, self.wait_for, self.fail = batches, wait_for, fail
+        self.started = threading.Event()
+
+    def iter_batches(self, batch_size: int, batch_format: str):
+        self.started.set()
+        if self.wait_for is not None and not self.wait_for.wait(timeout=10):
+            raise TimeoutError("the other stream was never pulled")
+        yield from self.batches
+        if self.fail:
+            raise RuntimeError("stream lost")
+
+
+def test_every_experts_stream_is_pulled_at_once() -> None:
+    """A stream that only delivers once another has started still arrives (pulling in turn would hang)."""
+    second = FakeShard([{"row": [2]}, {"row": [3]}])
+    first = FakeShard([{"row": [0]}, {"row": [1]}], wait_for=second.started)
+    got = list(arrivals({"a": first, "b": second}, batch_size=1))
+    assert sorted((task, batch["row"][0]) for task, batch in got) == [("a", 0), ("a", 1), ("b", 2), ("b", 3)]
+    with pytest.raises(RuntimeError, match="stream lost"):
+        list(arrivals({"a": FakeShard([{"row": [0]}], fail=True), "b": FakeShard([])}, batch_size=1))

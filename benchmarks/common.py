@@ -1,0 +1,147 @@
+"""What the benchmarks share: the demo set-up, the forward-pass floor, memory sampling, JSON lines.
+
+Every benchmark prints one JSON line per result with at least `name`, `value`, `baseline`,
+`ratio` (value / baseline) and `unit`; human-readable progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import torch
+
+from darts_dist.cli import packaged_config
+from darts_dist.config import RunConfig, load_config
+from darts_dist.data import TokenizedSet
+from darts_dist.fsutil import cache_root
+from darts_dist.models import load_causal_lm, load_tokenizer
+from darts_dist.pipeline import merge_stage, tokenized
+from darts_dist.sources import ResolvedSources, resolve_sources
+
+# Ray's token auth is for shared clusters; a benchmark's local cluster is this process's own.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+def emit(name: str, value: float, baseline: float, unit: str, **details: object) -> None:
+    """One result as a JSON line on stdout."""
+    line = {"name": name, "value": round(value, 4), "baseline": round(baseline, 4),
+            "ratio": round(value / baseline, 4) if baseline else None, "unit": unit, **details}
+    print(json.dumps(line), flush=True)
+
+
+def note(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parser(description: str, samples: int, steps: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--tiny", action="store_true", help="the tiny random family instead of SmolLM2 and its demo experts")
+    p.add_argument("--samples", type=int, default=samples, help="calibration samples per task")
+    p.add_argument("--steps", type=int, default=steps, help="calibration steps")
+    p.add_argument("--workers", type=int, default=1, help="calibration workers (cluster.num_workers)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    return p
+
+
+def demo_setup(name: str, args: argparse.Namespace, **cluster: object) -> tuple[RunConfig, ResolvedSources, Path]:
+    """The demo config (or its tiny twin) resized by `args`, its sources, and its merged model (cached)."""
+    config = load_config(packaged_config("tiny" if args.tiny else "demo"))
+    settings = config.calibration.model_copy(update={"num_samples": args.samples, "steps": args.steps})
+    cluster_settings = config.cluster.model_copy(update={
+        "num_workers": args.workers, "zero_stage": args.zero_stage, "cpus_per_worker": args.cpus_per_worker,
+        # A fresh run id: a benchmark must never resume (and so skip) an earlier run.
+        "run_id": f"{name}-{time.strftime('%Y%m%d-%H%M%S')}", **cluster,
+    })
+    out = cache_root() / "benchmarks" / ("tiny" if args.tiny else "demo")
+    config = config.model_copy(update={"output_dir": out, "calibration": settings, "cluster": cluster_settings})
+    sources = resolve_sources(config)
+    return config, sources, merge_stage(config, sources)
+
+
+def calibration_sets(config: RunConfig, sources: ResolvedSources) -> dict[str, TokenizedSet]:
+    tokenizer = load_tokenizer(sources.base)
+    return {task: tokenized(config, sources, task, "calibration", tokenizer) for task in config.tasks}
+
+
+def timed(work: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def forward_floor(config: RunConfig, sources: ResolvedSources, merged_dir: Path) -> dict[str, float]:
+    """Seconds of the bare forward passes calibration needs, in this process, models already loaded:
+    each expert on its own calibration rows (with logits: the entropy needs them), and the merged
+    model on all rows (its decoder only: the final norm's output is the feature)."""
+    data = calibration_sets(config, sources)
+    batch = config.calibration.batch_size
+    seconds = {}
+    for task, rows in data.items():
+        expert = load_causal_lm(sources.experts[task])
+        seconds[task] = timed(lambda: [expert(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+                                       for b in rows.batches(batch)])
+        del expert
+    merged = load_causal_lm(merged_dir)
+    seconds["merged"] = sum(
+        timed(lambda: [merged.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+                       for b in rows.batches(batch)])
+        for rows in data.values()
+    )
+    seconds["total"] = sum(seconds.values())
+    return seconds
+
+
+def ray_processes() -> Iterator[psutil.Process]:
+    """This machine's Ray actor processes (their titles start with "ray::")."""
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if cmdline and cmdline[0].startswith("ray::"):
+            yield process
+
+
+class PeakMemory:
+    """Peak resident memory of this process and of Ray's worker and expert actors, sampled in a thread."""
+
+    KINDS = {"RayTrainWorker": "train_workers", "MapWorker": "expert_actors"}
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.interval = interval
+        self.peak = {"driver": 0, "train_workers": 0, "expert_actors": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> None:
+        used = {"driver": psutil.Process().memory_info().rss, "train_workers": 0, "expert_actors": 0}
+        for process in ray_processes():
+            kind = next((k for title, k in self.KINDS.items() if title in process.info["cmdline"][0]), None)
+            if kind is None:
+                continue
+            try:
+                used[kind] = max(used[kind], process.memory_info().rss)  # the largest of its kind
+            except psutil.Error:  # it ended between listing and reading
+                continue
+        self.peak = {kind: max(self.peak[kind], used[kind]) for kind in self.peak}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    @contextmanager
+    def watching(self) -> Iterator[PeakMemory]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join()

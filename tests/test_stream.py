@@ -1,0 +1,118 @@
+"""The stream's pieces without a cluster: expert rows, the wire format, and the workers' feature store."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from darts_dist.data import load_rows, tokenize_rows
+from darts_dist.feature_store import FeatureStore
+from darts_dist.features import expert_targets
+from darts_dist.models import load_causal_lm
+from darts_dist.sources import demo_data
+from darts_dist.stream import ExpertStream, from_wire, pad_rows, source_rows, target_column, to_wire
+
+
+@pytest.fixture(scope="module")
+def code_set():
+    from darts_dist.tiny import build_tiny_tokenizer
+
+    return tokenize_rows(load_rows(demo_data()["code"]["calibration"]), build_tiny_tokenizer(), "code",
+                         max_length=24, max_samples=7)
+
+
+def test_source_rows_are_the_samples_cut_to_their_length(code_set) -> None:
+    rows = source_rows(code_set)
+    assert [row["row"] for row in rows] == list(range(7)) and {row["task"] for row in rows} == {"code"}
+    lengths = code_set.attention_mask.sum(dim=1).tolist()
+    assert [len(row["input_ids"]) for row in rows] == lengths
+    for name in ("input_ids", "attention_mask", "response_mask"):
+        padded = pad_rows([row[name] for row in rows])
+        assert torch.equal(torch.from_numpy(padded), getattr(code_set, name)[:, : max(lengths)])
+
+
+def _column(values: list) -> np.ndarray:
+    """A batch column as Ray Data hands it over: per-row arrays in a 1-D object array."""
+    column = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        column[i] = value
+    return column
+
+
+def test_expert_actor_rows_are_the_experts_targets_on_real_tokens(tiny_family, code_set) -> None:
+    layers = [1, "final"]
+    actor = ExpertStream(str(tiny_family.experts["code"]), layers, "float32", "cpu", fail_after_batches=None)
+    rows = source_rows(code_set)
+    batch = {name: _column([row[name] for row in rows]) for name in rows[0]}
+    out = actor(batch)
+    expert = load_causal_lm(tiny_family.experts["code"])
+    hidden, entropy = expert_targets(expert, code_set.input_ids, code_set.attention_mask, layers)
+    assert list(out["row"]) == list(range(7))
+    for i, length in enumerate(code_set.attention_mask.sum(dim=1).tolist()):
+        assert out["entropy"][i].shape == (length,)
+        torch.testing.assert_close(torch.from_numpy(out["entropy"][i]), entropy[i, :length], atol=1e-5, rtol=1e-5)
+        for layer in layers:
+            sent = out[target_column(layer)][i]
+            assert sent.dtype == np.float32 and sent.shape == (length, expert.config.hidden_size)
+            torch.testing.assert_close(torch.from_numpy(sent), hidden[layer][i, :length], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_hidden_states_travel_exactly_in_their_compute_dtype(dtype) -> None:
+    values = torch.randn(5, 16).to(getattr(torch, dtype)).float()  # what expert_targets hands over
+    sent = to_wire(values.numpy(), dtype)
+    assert sent.itemsize == {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    assert np.array_equal(from_wire(sent), values.numpy())
+
+
+def _rows(seed: int, count: int, width: int = 3) -> list[tuple[int, dict[str, np.ndarray]]]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for row in rng.permutation(count):  # arrival order is not row order
+        length = int(rng.integers(1, 9))
+        rows.append((int(row), {
+            "input_ids": rng.integers(0, 100, length),
+            "mask": np.ones(length, dtype=bool),
+            "hidden": rng.standard_normal((length, width), dtype=np.float32),
+        }))
+    return rows
+
+
+@pytest.mark.parametrize("budget", [1 << 30, 600])
+def test_feature_store_hands_rows_back_sorted_and_padded(tmp_path: Path, budget: int) -> None:
+    """Within the budget in memory; past it spilled to disk and read back memory-mapped, same values."""
+    store = FeatureStore(["a", "b"], max_length=8, budget_bytes=budget, spill_dir=tmp_path)
+    rows = {"a": _rows(0, 20), "b": _rows(1, 13)}
+    biggest = max(sum(x.nbytes for x in arrays.values()) for task in rows.values() for _, arrays in task)
+    for pair in itertools.zip_longest(rows["a"], rows["b"]):  # the tasks interleaved, each out of order
+        for task, item in zip(("a", "b"), pair):
+            if item is not None:
+                store.add(task, *item)
+    assert store.peak_memory_bytes <= min(budget, 1 << 20) + 2 * biggest
+    assert (store.spilled_bytes > 0) == (budget < 1 << 20)
+    for task, expected in rows.items():
+        assert store.row_ids(task) == list(range(len(expected)))
+        arrays = store.arrays(task)
+        assert isinstance(arrays["hidden"], np.memmap) == (budget < 1 << 20)
+        for row, values in expected:
+            length = len(values["mask"])
+            for name, value in values.items():
+                assert np.array_equal(arrays[name][row, :length], value)
+                assert not arrays[name][row, length:].any()  # zero padding
+        tensor = torch.from_numpy(arrays["hidden"])  # trains straight from the (mapped) array
+        assert tensor.shape[0] == len(expected)
+
+
+def test_feature_store_refuses_rows_that_do_not_fit(tmp_path: Path) -> None:
+    store = FeatureStore(["a"], max_length=4, budget_bytes=1 << 20, spill_dir=tmp_path)
+    store.add("a", 0, {"x": np.zeros(3), "y": np.zeros((3, 2))})
+    with pytest.raises(ValueError, match="share a length"):
+        store.add("a", 1, {"x": np.zeros(5), "y": np.zeros((5, 2))})
+    with pytest.raises(ValueError, match="earlier rows had"):
+        store.add("a", 2, {"x": np.zeros(2), "y": np.zeros((2, 3))})
+    with pytest.raises(ValueError, match="does not hold"):
+        store.add("b", 3, {"x": np.zeros(2), "y": np.zeros((2, 2))})
