@@ -32,9 +32,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def emit(name: str, value: float, baseline: float, unit: str, **details: object) -> None:
-    """One result as a JSON line on stdout."""
+    """One result as a JSON line on stdout, with the machine's load averages: the machine may be shared,
+    and timings taken next to other work are not comparable."""
     line = {"name": name, "value": round(value, 4), "baseline": round(baseline, 4),
-            "ratio": round(value / baseline, 4) if baseline else None, "unit": unit, **details}
+            "ratio": round(value / baseline, 4) if baseline else None, "unit": unit, **details,
+            "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(line), flush=True)
 
 

@@ -49,6 +49,7 @@ from darts_dist.stream import TOKEN_FIELDS, from_wire, pad_rows, target_column
 ENGINE_TAG = "engine"  # DeepSpeed's folder inside each checkpoint
 PROGRESS_FILE = "progress.json"  # step, losses, timings (rank 0)
 CORRECTIONS_FILE = "corrections.safetensors"  # the whole corrections, gathered (rank 0)
+FAIL_WORKER_AT_STEP = "DARTS_DIST_FAIL_WORKER_AT_STEP"  # read by the driver, which passes it on
 
 
 def rows_file(rank: int) -> str:
@@ -153,7 +154,8 @@ class Progress:
 
 
 def arrivals(shards: Mapping[str, DataIterator], batch_size: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-    """(task, batch) in the order the experts deliver them, every expert's stream pulled at once.
+    """(task, batch) in the order the experts deliver them, every expert's stream pulled at once,
+    from the moment this is called (so the experts start while the caller does other work).
 
     One thread per shard: a shard's pipeline starts only when first pulled, so pulling them in turn
     would start the experts one after the other, and the slowest would hold up the rest. The bounded
@@ -171,7 +173,10 @@ def arrivals(shards: Mapping[str, DataIterator], batch_size: int) -> Iterator[tu
 
     for task, shard in shards.items():
         Thread(target=pull, args=(task, shard), name=f"stream-{task}", daemon=True).start()
-    running = len(shards)
+    return _arrived(queue, running=len(shards))
+
+
+def _arrived(queue: Queue, running: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
     while running:
         task, batch = queue.get()
         if batch is None:
@@ -195,7 +200,7 @@ def in_lockstep(items: Iterator, device: torch.device) -> Iterator:
 
 
 def drain(
-    shards: Mapping[str, DataIterator],
+    batches: Iterator[tuple[str, dict[str, np.ndarray]]],
     module: CalibrationModule,
     store: FeatureStore,
     settings: CalibrationSection,
@@ -208,7 +213,6 @@ def drain(
     """
     device = next(module.corrections.parameters()).device
     with_merged = features_only(settings.layers)
-    batches = arrivals(shards, settings.batch_size)
     if lockstep and with_merged:
         batches = in_lockstep(batches, device)
     received = rows = 0
@@ -255,16 +259,35 @@ def task_features(store: FeatureStore, task: str, index: int, settings: Calibrat
     )
 
 
-def restore(engine: deepspeed.DeepSpeedEngine) -> TrainState:
-    """The last checkpoint's state, loaded into `engine`; a fresh state when the run starts anew."""
-    checkpoint = ray.train.get_checkpoint()
+def read_state(checkpoint: ray.train.Checkpoint | None) -> TrainState:
+    """Steps done and their losses, as the checkpoint to resume from holds them; a fresh state without one."""
     if checkpoint is None:
         return TrainState()
     with checkpoint.as_directory() as folder:
-        # Frozen weights are not in checkpoints (they are the merged model's): load non-strictly.
-        engine.load_checkpoint(folder, tag=ENGINE_TAG, load_module_strict=False)
         progress = json.loads((Path(folder) / PROGRESS_FILE).read_text())
     return TrainState(step=progress["step"], losses=progress["losses"], resumed_from=progress["step"])
+
+
+def build_engine(config: Mapping[str, object], tasks: Sequence[str], checkpoint: ray.train.Checkpoint | None):
+    """The merged model (frozen) with fresh corrections in a DeepSpeed engine; the checkpoint's state if given."""
+    settings: CalibrationSection = config["settings"]
+    device = ray.train.torch.get_device()
+    merged = load_causal_lm(Path(config["merged_dir"]), dtype=model_dtype(settings.dtype, device), device=device)
+    torch.manual_seed(settings.seed)  # the reference loop's initial corrections
+    corrections = build_corrections(tasks, merged.config.hidden_size, settings).to(device)
+    # DeepSpeed compiles a CPU communication op on first use (about a minute): cache it once per machine.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch-extensions"))
+    engine, *_ = deepspeed.initialize(
+        model=CalibrationModule(merged, corrections, settings),
+        model_parameters=list(corrections.parameters()),
+        config=deepspeed_config(settings, config["zero_stage"]),
+    )
+    engine.module.attach()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            # Frozen weights are not in checkpoints (they are the merged model's): load non-strictly.
+            engine.load_checkpoint(folder, tag=ENGINE_TAG, load_module_strict=False)
+    return engine
 
 
 def row_entropies(features: Sequence[TaskFeatures], row_ids: Mapping[str, Sequence[int]]) -> dict[str, np.ndarray]:
@@ -314,56 +337,64 @@ def train_loop_per_worker(config: dict) -> None:
     log = Progress(enabled=rank == 0)
     started = time.time()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # DeepSpeed compiles a CPU communication op on first use (about a minute): cache it once per machine.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch-extensions"))
-    device = ray.train.torch.get_device()
-    merged = load_causal_lm(Path(config["merged_dir"]), dtype=model_dtype(settings.dtype, device), device=device)
-    torch.manual_seed(settings.seed)  # the reference loop's initial corrections
-    corrections = build_corrections(tasks, merged.config.hidden_size, settings).to(device)
-    engine, *_ = deepspeed.initialize(
-        model=CalibrationModule(merged, corrections, settings),
-        model_parameters=list(corrections.parameters()),
-        config=deepspeed_config(settings, config["zero_stage"]),
-    )
-    engine.module.attach()
-    state = restore(engine)
+    checkpoint = ray.train.get_checkpoint()
+    state = read_state(checkpoint)
     if state.step >= settings.steps:
         log(f"this run finished at step {state.step}: nothing left to do", force=True)
         return
+    # The experts start streaming now, loading their models while this worker loads the merged one.
+    stream = arrivals({task: ray.train.get_dataset_shard(task) for task in tasks}, settings.batch_size)
+    engine = build_engine(config, tasks, checkpoint)
     if state.resumed_from is not None:
         log(f"resuming from the checkpoint at step {state.step}", force=True)
+    device = ray.train.torch.get_device()
     timings = {"worker_start": started, "setup": time.time() - started}
-    shards = {task: ray.train.get_dataset_shard(task) for task in tasks}
     with tempfile.TemporaryDirectory(prefix="darts-features-") as spill_dir:
         store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
-        received = drain(shards, engine.module, store, settings, lockstep=config["zero_stage"] == 3, log=log)
+        received = drain(stream, engine.module, store, settings, lockstep=config["zero_stage"] == 3, log=log)
         row_ids = {task: store.row_ids(task) for task in tasks}
         missing = [task for task, ids in row_ids.items() if not ids]
         if missing:
             raise DartsError(f"calibration worker {rank} received no rows of tasks {missing}",
                              "use fewer workers (cluster.num_workers) or more calibration samples per task")
         features = [task_features(store, task, index, settings) for index, task in enumerate(tasks)]
-        rows, spilled = reduce_over_ranks([sum(map(len, row_ids.values())), store.spilled_bytes], device, "sum")
-        stream = {"rows": rows, "bytes": reduce_over_ranks([received], device, "sum")[0], "spilled_bytes": spilled,
-                  "peak_memory_bytes": reduce_over_ranks([store.peak_memory_bytes], device, "max")[0]}
+        rows, spilled, received = reduce_over_ranks(
+            [sum(map(len, row_ids.values())), store.spilled_bytes, received], device, "sum")
+        stream_stats = {"rows": rows, "bytes": received, "spilled_bytes": spilled,
+                        "peak_memory_bytes": reduce_over_ranks([store.peak_memory_bytes], device, "max")[0]}
         timings["stream"] = time.time() - started - timings["setup"]
-        entropies = row_entropies(features, row_ids)
-        generator = torch.Generator().manual_seed(settings.seed + rank)
-        for _ in range(state.step):  # replay the schedule of the steps the checkpoint already holds
-            step_minibatches(features, settings.batch_size, generator)
-        train_start = time.time()
-        for step in range(state.step + 1, settings.steps + 1):
-            if step == config["fail_at_step"] and state.resumed_from is None and rank == 0:
-                raise RuntimeError(f"injected failure in step {step} (DARTS_DIST_FAIL_WORKER_AT_STEP)")
-            minibatches = [(task.task, task.rows(index))
-                           for task, index in step_minibatches(features, settings.batch_size, generator)]
-            loss = engine(minibatches)
-            engine.backward(loss)
-            engine.step()
-            state.step = step
-            state.losses.append(reduce_over_ranks([float(loss)], device)[0] / len(features))
-            log(f"step {step}/{settings.steps}, loss {state.losses[-1]:.4f}")
-            if step % config["checkpoint_every"] == 0 or step == settings.steps:
-                timings["train"] = time.time() - train_start
-                save_checkpoint(engine, state, entropies, {"timings": timings, "stream": stream})
-        log(f"step {state.step}/{settings.steps}, loss {state.losses[-1]:.4f}", force=True)
+        progress = {"timings": timings, "stream": stream_stats}
+        train_steps(engine, features, state, config, row_entropies(features, row_ids), progress, log)
+
+
+def train_steps(
+    engine: deepspeed.DeepSpeedEngine,
+    features: Sequence[TaskFeatures],
+    state: TrainState,
+    config: Mapping[str, object],
+    rows: Mapping[str, np.ndarray],
+    progress: dict,
+    log: Progress,
+) -> None:
+    """The reference loop's schedule, through DeepSpeed, from `state.step`, checkpointing on the way."""
+    settings: CalibrationSection = config["settings"]
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(settings.seed + rank)
+    for _ in range(state.step):  # replay the schedule of the steps the checkpoint already holds
+        step_minibatches(features, settings.batch_size, generator)
+    started = time.time()
+    for step in range(state.step + 1, settings.steps + 1):
+        if step == config["fail_at_step"] and state.resumed_from is None and rank == 0:
+            raise RuntimeError(f"injected failure in step {step} ({FAIL_WORKER_AT_STEP})")
+        minibatches = [(task.task, task.rows(index))
+                       for task, index in step_minibatches(features, settings.batch_size, generator)]
+        loss = engine(minibatches)
+        engine.backward(loss)
+        engine.step()
+        state.step = step
+        state.losses.append(reduce_over_ranks([loss.item()], loss.device)[0] / len(features))
+        log(f"step {step}/{settings.steps}, loss {state.losses[-1]:.4f}")
+        if step % config["checkpoint_every"] == 0 or step == settings.steps:
+            progress["timings"]["train"] = time.time() - started
+            save_checkpoint(engine, state, rows, progress)
+    log(f"step {state.step}/{settings.steps}, loss {state.losses[-1]:.4f}", force=True)

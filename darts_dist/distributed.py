@@ -30,7 +30,12 @@ from ray.data import ExecutionOptions, ExecutionResources
 from ray.train.torch import TorchTrainer
 
 from darts_dist.calibrate import CalibrationResult, TaskFeatures, batch_positions
-from darts_dist.calibration_worker import CORRECTIONS_FILE, PROGRESS_FILE, train_loop_per_worker
+from darts_dist.calibration_worker import (
+    CORRECTIONS_FILE,
+    FAIL_WORKER_AT_STEP,
+    PROGRESS_FILE,
+    train_loop_per_worker,
+)
 from darts_dist.config import CalibrationSection, ClusterSection, RunConfig
 from darts_dist.core import DartsCorrections, load_corrections, save_corrections
 from darts_dist.data import TokenizedSet
@@ -40,7 +45,6 @@ from darts_dist.pipeline import CalibrationOutcome, corrections_metadata, token_
 from darts_dist.sources import ResolvedSources
 from darts_dist.stream import ExactlyOnceSplit, expert_resources, expert_stream
 
-FAIL_WORKER_AT_STEP = "DARTS_DIST_FAIL_WORKER_AT_STEP"
 FAIL_EXPERT_AFTER = "DARTS_DIST_FAIL_EXPERT_AFTER"
 
 
