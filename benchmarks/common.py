@@ -22,6 +22,7 @@ import torch
 from darts_dist.cli import packaged_config
 from darts_dist.config import RunConfig, load_config
 from darts_dist.data import TokenizedSet
+from darts_dist.features import model_dtype, resolve_device
 from darts_dist.fsutil import cache_root
 from darts_dist.models import load_causal_lm, load_tokenizer
 from darts_dist.pipeline import merge_stage, tokenized
@@ -75,31 +76,35 @@ def calibration_sets(config: RunConfig, sources: ResolvedSources) -> dict[str, T
     return {task: tokenized(config, sources, task, "calibration", tokenizer) for task in config.tasks}
 
 
-def timed(work: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
-
-
 @torch.no_grad()
 def forward_floor(config: RunConfig, sources: ResolvedSources, merged_dir: Path) -> dict[str, float]:
-    """Seconds of the bare forward passes calibration needs, in this process, models already loaded:
-    each expert on its own calibration rows (with logits: the entropy needs them), and the merged
-    model on all rows (its decoder only: the final norm's output is the feature)."""
+    """Seconds of the bare forward passes calibration needs, in this process, models already loaded (on
+    the config's device and dtype): each expert on its own calibration rows (with logits: the entropy
+    needs them), and the merged model on all rows (its decoder only: the final norm's output is the feature)."""
+    settings = config.calibration
+    device = resolve_device(settings.device)
+    dtype = model_dtype(settings.dtype, device)
     data = calibration_sets(config, sources)
-    batch = config.calibration.batch_size
+    batches = {
+        task: [(b["input_ids"].to(device), b["attention_mask"].to(device)) for b in rows.batches(settings.batch_size)]
+        for task, rows in data.items()
+    }
+
+    def run(forward: Callable, task: str) -> float:
+        start = time.perf_counter()
+        for ids, mask in batches[task]:
+            forward(input_ids=ids, attention_mask=mask)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
     seconds = {}
-    for task, rows in data.items():
-        expert = load_causal_lm(sources.experts[task])
-        seconds[task] = timed(lambda: [expert(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-                                       for b in rows.batches(batch)])
+    for task in data:
+        expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
+        seconds[task] = run(expert, task)
         del expert
-    merged = load_causal_lm(merged_dir)
-    seconds["merged"] = sum(
-        timed(lambda: [merged.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
-                       for b in rows.batches(batch)])
-        for rows in data.values()
-    )
+    merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
+    seconds["merged"] = sum(run(merged.model, task) for task in data)
     seconds["total"] = sum(seconds.values())
     return seconds
 

@@ -26,8 +26,13 @@ from darts_dist.core import (
     weighted_l1_loss,
 )
 from darts_dist.data import TokenizedSet
-# model_dtype and resolve_device are re-exported for the stages that import them from here.
-from darts_dist.features import LayerKey, expert_targets, merged_hidden, model_dtype, resolve_device  # noqa: F401
+from darts_dist.features import (  # model_dtype and resolve_device: re-exported for the stages using them
+    LayerKey,
+    expert_targets,
+    merged_hidden,
+    model_dtype,  # noqa: F401
+    resolve_device,  # noqa: F401
+)
 
 # on_step(step, metrics): called after each optimizer step with its number (from 1), loss and rows/s.
 StepCallback = Callable[[int, Mapping[str, float]], None]

@@ -14,8 +14,6 @@ import logging
 import os
 import tempfile
 import time
-from queue import Queue
-from threading import Thread
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +24,6 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from ray.data import DataIterator
 from torch import nn
 
 from darts_dist.calibrate import (
@@ -44,7 +41,7 @@ from darts_dist.feature_store import FeatureStore
 from darts_dist.features import merged_hidden, model_dtype
 from darts_dist.fsutil import cache_root
 from darts_dist.models import load_causal_lm
-from darts_dist.stream import TOKEN_FIELDS, from_wire, pad_rows, target_column
+from darts_dist.stream import TOKEN_FIELDS, arrivals, from_wire, pad_rows, target_column
 
 ENGINE_TAG = "engine"  # DeepSpeed's folder inside each checkpoint
 PROGRESS_FILE = "progress.json"  # step, losses, timings (rank 0)
@@ -151,40 +148,6 @@ class Progress:
         if self.enabled and (force or now - self.last >= self.interval):
             self.last = now
             print(f"calibrate: {message}", flush=True)
-
-
-def arrivals(shards: Mapping[str, DataIterator], batch_size: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-    """(task, batch) in the order the experts deliver them, every expert's stream pulled at once,
-    from the moment this is called (so the experts start while the caller does other work).
-
-    One thread per shard: a shard's pipeline starts only when first pulled, so pulling them in turn
-    would start the experts one after the other, and the slowest would hold up the rest. The bounded
-    queue passes Ray Data's back-pressure on to the threads.
-    """
-    queue: Queue = Queue(maxsize=len(shards))
-
-    def pull(task: str, shard: DataIterator) -> None:
-        try:
-            for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy"):
-                queue.put((task, batch))
-            queue.put((task, None))
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put((task, error))
-
-    for task, shard in shards.items():
-        Thread(target=pull, args=(task, shard), name=f"stream-{task}", daemon=True).start()
-    return _arrived(queue, running=len(shards))
-
-
-def _arrived(queue: Queue, running: int) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-    while running:
-        task, batch = queue.get()
-        if batch is None:
-            running -= 1
-        elif isinstance(batch, BaseException):
-            raise batch
-        else:
-            yield task, batch
 
 
 def in_lockstep(items: Iterator, device: torch.device) -> Iterator:
@@ -396,5 +359,8 @@ def train_steps(
         log(f"step {step}/{settings.steps}, loss {state.losses[-1]:.4f}")
         if step % config["checkpoint_every"] == 0 or step == settings.steps:
             progress["timings"]["train"] = time.time() - started
+            if torch.cuda.is_available():
+                memory = reduce_over_ranks([torch.cuda.max_memory_allocated()], loss.device, "max")[0]
+                progress["peak_gpu_memory_bytes"] = memory
             save_checkpoint(engine, state, rows, progress)
     log(f"step {state.step}/{settings.steps}, loss {state.losses[-1]:.4f}", force=True)

@@ -72,9 +72,12 @@ class JobResult:
     entropy: dict[str, dict[int, np.ndarray]]  # task -> row -> the expert's H_t on the row's tokens
     stream: dict[str, float]  # rows, bytes (of hidden states received), spilled_bytes, peak_memory_bytes
     timings: dict[str, float]  # seconds: startup, stream, train, total
-    resumed_from: int | None  # the step the last attempt started from; None for a fresh start
+    # The step this job's last attempt started training from: None for a fresh start, the last step
+    # when the run had finished already (nothing trained, the corrections are the run's).
+    resumed_from: int | None
     checkpoint_path: str
     object_store_peak_bytes: int  # the most the object store held above its use when the job began
+    peak_gpu_memory_bytes: int | None  # the most a worker's GPU held (max over workers); None on CPUs
 
 
 def _env_int(name: str) -> int | None:
@@ -235,6 +238,10 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
     finished = time.time()
     corrections, progress, rows, entropy = _read_checkpoint(result.checkpoint)
     timings = progress["timings"]
+    resumed_from = progress["resumed_from"]
+    if timings["worker_start"] < started:  # a finished run, resumed: its last checkpoint is from before
+        timings = {"worker_start": finished, "setup": 0.0, "stream": 0.0, "train": 0.0}
+        resumed_from = len(progress["losses"])
     return JobResult(
         corrections=corrections,
         losses=progress["losses"],
@@ -244,12 +251,13 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
         timings={
             "startup": timings["worker_start"] - started + timings["setup"],
             "stream": timings["stream"],
-            "train": timings.get("train", 0.0),
+            "train": timings["train"],
             "total": finished - started,
         },
-        resumed_from=progress["resumed_from"],
+        resumed_from=resumed_from,
         checkpoint_path=result.checkpoint.path,
         object_store_peak_bytes=store_use.peak,
+        peak_gpu_memory_bytes=progress.get("peak_gpu_memory_bytes"),
     )
 
 
@@ -299,20 +307,29 @@ def entropy_features(task: str, index: int, data: TokenizedSet, entropy: Mapping
                         entropy=torch.from_numpy(values), targets={})
 
 
+def summary(job: JobResult) -> str:
+    """The job's progress in one line: rows streamed, steps, loss, rows/s, where the seconds went."""
+    if job.resumed_from == len(job.losses):
+        return (f"this run had finished: its corrections after {len(job.losses)} steps are reused "
+                "(set cluster.run_id to start a new run)")
+    rows = int(job.stream["rows"])
+    seconds = ", ".join(f"{name} {value:.1f}" for name, value in job.timings.items())
+    return (f"{rows} rows streamed ({rows / job.timings['stream']:.1f} rows/s), {len(job.losses)} steps, "
+            f"loss {job.losses[0]:.4f} -> {job.losses[-1]:.4f}; seconds: {seconds}")
+
+
 def calibrate_distributed(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, address: str | None = None
 ) -> CalibrationOutcome:
     """The calibrate stage as a Ray job; saves RUN_DIR/corrections.safetensors like the in-process stage."""
     plan = job_plan(config, sources, merged_dir, address)
-    print(f"calibrate: Ray run {plan.run_id}, {config.cluster.num_workers} worker(s), ZeRO-{config.cluster.zero_stage}, "
+    cluster = config.cluster
+    print(f"calibrate: Ray run {plan.run_id} ({cluster.num_workers} worker(s), ZeRO-{cluster.zero_stage}), "
           f"checkpoints in {plan.storage_path}")
     job = run_calibration_job(plan)
+    print(f"calibrate: {summary(job)}")
     path = save_corrections(config.run_dir / "corrections.safetensors", job.corrections,
                             metadata=corrections_metadata(merged_dir))
-    rows = int(job.stream["rows"])
-    print(f"calibrate: {rows} rows streamed, {len(job.losses)} steps, loss {job.losses[0]:.4f} -> {job.losses[-1]:.4f}, "
-          f"{rows / max(job.timings['stream'], 1e-9):.1f} rows/s; seconds: "
-          + ", ".join(f"{name} {value:.1f}" for name, value in job.timings.items()))
     weights = {
         task: token_weights(entropy_features(task, index, plan.data[task], job.entropy[task]), config.calibration)
         for index, task in enumerate(plan.data)

@@ -1,4 +1,4 @@
-"""Expert actors -> Ray Data rows: each expert streams its own task's targets, with back-pressure.
+"""Expert actors -> Ray Data rows -> the training workers' shards, with back-pressure all the way.
 
 A row is one calibration sample, cut to its real length: `task`, `row` (its index in the task's
 calibration set, so that "every row exactly once" can be checked), `input_ids`,
@@ -14,8 +14,10 @@ transformers would cost each of those processes seconds. The expert actor import
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from queue import Queue
+from threading import Thread
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from darts_dist.features import LayerKey
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "response_mask")
+Batch = dict[str, np.ndarray]  # a batch of rows as Ray Data hands it over: one array per column
 
 
 def target_column(layer: LayerKey) -> str:
@@ -91,13 +94,24 @@ class ExpertStream:
     """The Ray Data actor of one expert: loads the expert once and turns its task's samples into rows."""
 
     def __init__(
-        self, model_path: str, layers: Sequence[LayerKey], dtype: str, device: str, fail_after_batches: int | None
+        self,
+        model_path: str,
+        layers: Sequence[LayerKey],
+        dtype: str,
+        device: str,
+        fail_after_batches: int | None = None,
+        yield_cpu: bool = False,
     ) -> None:
         from darts_dist.features import model_dtype, resolve_device
         from darts_dist.models import load_causal_lm
 
         # "auto" resolves inside the actor: one that Ray gave a GPU uses it, one without stays on the CPU.
         self.device = resolve_device(device)
+        if yield_cpu and self.device.type == "cpu":
+            # Experts sharing CPUs with the training workers yield to them: the workers have as much
+            # forward work as all the experts together (the merged model runs once on every row) and
+            # drain the stream, so starving them only fills the object store.
+            os.nice(19 - os.nice(0))
         self.dtype = model_dtype(dtype, self.device)
         self.model = load_causal_lm(Path(model_path), dtype=self.dtype, device=self.device)
         self.wire_dtype = str(self.dtype).removeprefix("torch.")
@@ -105,7 +119,7 @@ class ExpertStream:
         self.fail_after_batches = fail_after_batches
         self.batches = 0
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def __call__(self, batch: Batch) -> Batch:
         import torch
 
         from darts_dist.features import expert_targets
@@ -164,6 +178,7 @@ def expert_stream(
             "dtype": settings.dtype,
             "device": settings.device,
             "fail_after_batches": fail_after_batches,
+            "yield_cpu": not cluster.use_gpu,
         },
         batch_size=settings.batch_size,
         compute=ray.data.ActorPoolStrategy(size=1),
@@ -173,6 +188,41 @@ def expert_stream(
     # darts-dist prints its own progress; Ray Data's bars would interleave with it.
     dataset.context.enable_progress_bars = False
     return dataset
+
+
+def arrivals(shards: Mapping[str, ray.data.DataIterator], batch_size: int) -> Iterator[tuple[str, Batch]]:
+    """A worker's side of the stream: (task, batch) in the order the experts deliver them, every
+    expert's shard pulled at once from the moment this is called (so the experts start while the
+    caller does other work).
+
+    One thread per shard: a shard's pipeline starts only when first pulled, so pulling them in turn
+    would start the experts one after the other, and the slowest would hold up the rest. The bounded
+    queue passes Ray Data's back-pressure on to the threads.
+    """
+    queue: Queue = Queue(maxsize=len(shards))
+
+    def pull(task: str, shard: ray.data.DataIterator) -> None:
+        try:
+            for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy"):
+                queue.put((task, batch))
+            queue.put((task, None))
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put((task, error))
+
+    for task, shard in shards.items():
+        Thread(target=pull, args=(task, shard), name=f"stream-{task}", daemon=True).start()
+    return _arrived(queue, running=len(shards))
+
+
+def _arrived(queue: Queue, running: int) -> Iterator[tuple[str, Batch]]:
+    while running:
+        task, batch = queue.get()
+        if batch is None:
+            running -= 1
+        elif isinstance(batch, BaseException):
+            raise batch
+        else:
+            yield task, batch
 
 
 class ExactlyOnceSplit(ray.train.DataConfig):

@@ -14,7 +14,6 @@ import pytest
 import ray
 import torch
 
-from darts_dist.calibration_worker import arrivals
 from darts_dist.config import parse_config
 from darts_dist.core import load_corrections, save_corrections
 from darts_dist.distributed import (
@@ -28,6 +27,7 @@ from darts_dist.distributed import (
 from darts_dist.errors import DartsError
 from darts_dist.pipeline import calibrate_stage, corrections_metadata, evaluate_stage
 from darts_dist.sources import demo_data, resolve_sources
+from darts_dist.stream import arrivals
 
 TASKS = ("code", "math")
 ALL_TASKS = ("code", "math", "instruct")
@@ -119,11 +119,12 @@ def test_one_worker_zero0_equals_the_in_process_loop(undisturbed) -> None:
         torch.testing.assert_close(ray_outcome.entropy_weights[task], reference.entropy_weights[task])
 
 
-def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(undisturbed, tiny_family) -> None:
+def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(undisturbed, tiny_family, capsys) -> None:
     config, first, _ = undisturbed
     before = checkpoints(config)
     again = calibrate_distributed(config, resolve_sources(config), tiny_family.base)
     assert checkpoints(config) == before  # no step was trained again
+    assert "this run had finished" in capsys.readouterr().out
     for ours, theirs in zip(again.result.corrections.parameters(), first.result.corrections.parameters()):
         assert torch.equal(ours, theirs)
     assert again.result.losses == first.result.losses

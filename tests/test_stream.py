@@ -45,7 +45,7 @@ def _column(values: list) -> np.ndarray:
 
 def test_expert_actor_rows_are_the_experts_targets_on_real_tokens(tiny_family, code_set) -> None:
     layers = [1, "final"]
-    actor = ExpertStream(str(tiny_family.experts["code"]), layers, "float32", "cpu", fail_after_batches=None)
+    actor = ExpertStream(str(tiny_family.experts["code"]), layers, "float32", "cpu")
     rows = source_rows(code_set)
     batch = {name: _column([row[name] for row in rows]) for name in rows[0]}
     out = actor(batch)

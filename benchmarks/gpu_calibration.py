@@ -1,0 +1,126 @@
+"""gpu_calibration: a Llama-2-7B-shaped calibration on GPUs: tokens/s, the ratio to its forward floor, GPU memory.
+
+Runs only where CUDA is present; elsewhere it prints one line saying it skipped, and exits 0.
+Nothing is downloaded. The base is a random-init model of Llama-2-7B's shape (d=4096, FFN 11008,
+32 heads, vocab 32000, 32 layers: `--layers` makes it shallower), in bf16. The three experts are
+the base with their top layer and final norm perturbed, saved as shards hard-linked to the base's
+wherever they are the same, so four models cost the disk little more than one. The merged model is
+the base itself: calibration throughput does not depend on what the merge computed. Each expert
+gets a GPU of its own where there are four or more; otherwise experts and the worker share them.
+ZeRO-3 partitions the frozen merged model and the corrections over the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from common import emit, forward_floor, note, parser
+
+from darts_dist.config import parse_config
+from darts_dist.distributed import job_plan, run_calibration_job
+from darts_dist.fsutil import atomic_dir, cache_root
+from darts_dist.sources import resolve_sources
+from darts_dist.tiny import build_tiny_tokenizer
+
+TASKS = ("code", "math", "instruct")
+
+
+def llama2_7b_shape(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
+                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, dtype="bfloat16")
+
+
+def build_family(root: Path, layers: int) -> dict[str, Path]:
+    """Base and experts on disk (cached by shape); the experts' unchanged shards are hard links."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM
+
+    base = root / "base"
+    if not (base / "model.safetensors.index.json").is_file():
+        note(f"building a random Llama-2-7B-shaped base with {layers} layers")
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(llama2_7b_shape(layers)).to(torch.bfloat16)
+        with atomic_dir(base, overwrite=True) as tmp:
+            model.save_pretrained(tmp, max_shard_size="2GB")
+            build_tiny_tokenizer().save_pretrained(tmp)  # its ids are a subset of the model's vocabulary
+        del model
+        torch.cuda.empty_cache()
+    weight_map = json.loads((base / "model.safetensors.index.json").read_text())["weight_map"]
+    top = f"model.layers.{layers - 1}."
+    changed = {name for name, shard in weight_map.items() if name.startswith(top) or name == "model.norm.weight"}
+    experts = {}
+    for index, task in enumerate(TASKS):
+        folder = root / task
+        experts[task] = folder
+        if folder.is_dir():
+            continue
+        with atomic_dir(folder) as tmp:
+            for item in base.iterdir():
+                if item.name in {weight_map[name] for name in changed}:
+                    tensors = load_file(item)
+                    generator = torch.Generator().manual_seed(index + 1)
+                    for name in changed & tensors.keys():
+                        noise = torch.randn(tensors[name].shape, generator=generator)
+                        tensors[name] = tensors[name] + (0.05 * noise).to(tensors[name].dtype)
+                    save_file(tensors, tmp / item.name, metadata={"format": "pt"})
+                elif item.suffix == ".safetensors":
+                    os.link(item, tmp / item.name)
+                else:
+                    shutil.copy2(item, tmp / item.name)
+    return {"base": base, **experts}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0], samples=64, steps=100)
+    p.add_argument("--layers", type=int, default=32)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        note("no CUDA device: gpu_calibration skipped")
+        print(json.dumps({"name": "gpu_calibration", "value": None, "baseline": None, "ratio": None, "unit": "tokens/s",
+                          "skipped": "no CUDA device"}), flush=True)
+        return
+    gpus = torch.cuda.device_count()
+    family = build_family(cache_root() / "benchmarks" / f"llama2-7b-shaped-{args.layers}", args.layers)
+    own_gpus = gpus >= len(TASKS) + 1
+    config = parse_config({
+        "name": "gpu", "output_dir": str(cache_root() / "benchmarks" / "gpu-runs"),
+        "sources": {"base": str(family["base"]), "experts": [
+            {"task": task, "path": str(family[task]), "data": {"calibration": f"demo:{task}"}} for task in TASKS]},
+        "calibration": {"num_samples": args.samples, "steps": args.steps, "max_length": 512, "max_positions": 512,
+                        "batch_size": 8, "dtype": "bfloat16"},
+        "cluster": {
+            "use_gpu": True, "zero_stage": 3, "num_workers": max(1, gpus - len(TASKS)) if own_gpus else gpus,
+            "expert_resources": {"GPU": 1} if own_gpus else {"GPU": 0.5 / len(TASKS)},
+            "worker_resources": {} if own_gpus else {"GPU": 0.5},
+            "run_id": f"gpu-{time.strftime('%Y%m%d-%H%M%S')}",
+        },
+    })
+    sources = resolve_sources(config)
+    merged = family["base"]
+    note("timing the bare forward passes on one GPU")
+    floor = forward_floor(config, sources, merged)
+    torch.cuda.empty_cache()
+    plan = job_plan(config, sources, merged)
+    tokens = sum(int(rows.attention_mask.sum()) for rows in plan.data.values())
+    start = time.perf_counter()
+    job = run_calibration_job(plan)
+    wall = time.perf_counter() - start
+    emit("gpu_calibration", tokens / wall, tokens / floor["total"], "tokens/s",
+         seconds={"calibrate": round(wall, 2), "floor": round(floor["total"], 2)},
+         floor_ratio=round(wall / floor["total"], 3),
+         breakdown={k: round(v, 2) for k, v in job.timings.items()},
+         peak_gpu_memory_per_worker_gib=round((job.peak_gpu_memory_bytes or 0) / 2**30, 2),
+         gpus=gpus, workers=config.cluster.num_workers, zero_stage=3, layers=args.layers, tokens=tokens,
+         steps=len(job.losses), device=torch.cuda.get_device_name(0))
+
+
+if __name__ == "__main__":
+    main()
