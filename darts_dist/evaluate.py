@@ -20,7 +20,7 @@ from darts_dist.core import (
     token_bias,
     token_nll,
 )
-from darts_dist.calibrate import LayerKey, batch_positions
+from darts_dist.calibrate import LayerKey, batch_positions, features_only
 from darts_dist.data import TokenizedSet
 
 LATE_POSITION = 64
@@ -53,7 +53,140 @@ def _gap_closed(merged: float, corrected: float, expert: float) -> float | None:
     return None if gap <= 0 else (merged - corrected) / gap
 
 
+@dataclass
+class Reference:
+    """The expert's side of one held-out batch, computed once and compared with any number of merged models.
+
+    `weights` are the expert's entropy weights with β = 1; `nll_mask` marks the predictions NLL counts.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    positions: torch.Tensor
+    hidden: torch.Tensor
+    weights: torch.Tensor
+    nll: torch.Tensor
+    nll_mask: torch.Tensor
+
+
+@dataclass
+class Outputs:
+    """A merged model's side of one batch, plain or corrected: h at the bias layer and the per-token NLL."""
+
+    hidden: torch.Tensor
+    nll: torch.Tensor
+
+
+def _device(model: PreTrainedModel) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
+def reference(expert: PreTrainedModel, batch: Mapping[str, torch.Tensor], layer: LayerKey) -> Reference:
+    """Run the expert once over a batch (input_ids, attention_mask, response_mask)."""
+    device = _device(expert)
+    ids = batch["input_ids"].to(device)
+    mask = batch["attention_mask"].to(device)
+    targets = batch["response_mask"].to(device)  # all real tokens for plain text
+    with capture_hidden(expert, [layer]) as hidden:
+        logits = expert(input_ids=ids, attention_mask=mask).logits
+    nll, nll_mask = token_nll(logits, ids, mask, targets)
+    return Reference(
+        input_ids=ids,
+        attention_mask=mask,
+        positions=batch_positions(mask),
+        hidden=hidden[layer].float(),
+        weights=entropy_weights(next_token_entropy(logits), mask, 1.0),
+        nll=nll,
+        nll_mask=nll_mask,
+    )
+
+
+def _outputs(logits: torch.Tensor, hidden: torch.Tensor, ref: Reference) -> Outputs:
+    nll, _ = token_nll(logits, ref.input_ids, ref.attention_mask)
+    return Outputs(hidden=hidden.float(), nll=nll)
+
+
+@torch.no_grad()
+def merged_outputs(merged: PreTrainedModel, ref: Reference, layer: LayerKey) -> Outputs:
+    """The uncorrected merged model on the reference's batch."""
+    with capture_hidden(merged, [layer]) as hidden:
+        logits = merged(input_ids=ref.input_ids, attention_mask=ref.attention_mask).logits
+    return _outputs(logits, hidden[layer], ref)
+
+
+@torch.no_grad()
+def corrected_outputs(
+    merged: PreTrainedModel,
+    ref: Reference,
+    plain: Outputs,
+    corrections: DartsCorrections,
+    task_index: int,
+    layer: LayerKey,
+) -> Outputs:
+    """The merged model under task `task_index`'s correction, on the reference's batch.
+
+    With surgery only at the final representation (and bias measured there), ĥ is the correction
+    of the plain run's h^m and the logits are lm_head(ĥ), so no second forward pass is needed.
+    Otherwise the merged model runs again with the corrections hooked in.
+    """
+    weights = torch.zeros(ref.input_ids.shape[0], len(corrections.spec.tasks), device=ref.input_ids.device)
+    weights[:, task_index] = 1.0
+    if features_only(corrections.layer_keys) and layer == "final":
+        hidden = corrections["final"](plain.hidden, ref.positions, weights)
+        logits = merged.get_output_embeddings()(hidden.to(_device(merged)))
+        return _outputs(logits, hidden, ref)
+    with attach_corrections(merged, corrections) as handle, capture_hidden(merged, [layer]) as hidden:
+        handle.set_task_weights(weights)
+        logits = merged(input_ids=ref.input_ids, attention_mask=ref.attention_mask).logits
+    return _outputs(logits, hidden[layer], ref)
+
+
+class TaskTally:
+    """Running sums of one task's bias (plain, weighted, by position) and NLLs, across batches."""
+
+    def __init__(self) -> None:
+        self.bias = {side: BucketMeans() for side in ("before", "after")}
+        self.weighted = {side: BucketMeans() for side in ("before", "after")}
+        self.nll = {name: _NllSum() for name in ("expert", "merged", "corrected")}
+        self.corrected = False
+
+    def add(self, ref: Reference, plain: Outputs, corrected: Outputs | None = None) -> None:
+        sides = {"before": plain} if corrected is None else {"before": plain, "after": corrected}
+        for side, outputs in sides.items():
+            values = token_bias(outputs.hidden, ref.hidden)
+            self.bias[side].add(values, ref.positions, ref.attention_mask)
+            self.weighted[side].add(values, ref.positions, ref.attention_mask, ref.weights)
+        self.nll["expert"].add(ref.nll, ref.nll_mask)
+        self.nll["merged"].add(plain.nll, ref.nll_mask)
+        if corrected is not None:
+            self.nll["corrected"].add(corrected.nll, ref.nll_mask)
+            self.corrected = True
+
+    def result(self, task: str, layer: LayerKey) -> dict[str, object]:
+        bias, weighted, nll = self.bias, self.weighted, self.nll
+        result: dict[str, object] = {
+            "task": task,
+            "layer": str(layer),
+            "tokens": nll["merged"].count,
+            "bias_before": bias["before"].overall(),
+            "bias_before_by_position": bias["before"].means(),
+            "nll_expert": nll["expert"].mean,
+            "nll_merged": nll["merged"].mean,
+        }
+        if self.corrected:
+            result.update({
+                "bias_after": bias["after"].overall(),
+                "bias_after_by_position": bias["after"].means(),
+                "bias_reduction": _reduction(bias["before"].overall(), bias["after"].overall()),
+                "weighted_bias_reduction": _reduction(weighted["before"].overall(), weighted["after"].overall()),
+                "late_bias_reduction": _reduction(bias["before"].late(LATE_POSITION), bias["after"].late(LATE_POSITION)),
+                "nll_corrected": nll["corrected"].mean,
+                "nll_gap_closed": _gap_closed(nll["merged"].mean, nll["corrected"].mean, nll["expert"].mean),
+            })
+        return result
+
+
 def evaluate_task(
     task: str,
     task_index: int,
@@ -72,60 +205,13 @@ def evaluate_task(
     weights each token by the expert's entropy weight with β = 1, so it shows whether the
     correction removes bias where the expert is uncertain.
     """
-    device = next(merged.parameters()).device
-    bias = {name: BucketMeans() for name in ("before", "after")}
-    weighted = {name: BucketMeans() for name in ("before", "after")}
-    nll = {name: _NllSum() for name in ("expert", "merged", "corrected")}
-    handle = attach_corrections(merged, corrections) if corrections is not None else None
-    num_tasks = 0 if corrections is None else len(corrections.spec.tasks)
-    try:
-        for batch in tqdm(list(data.batches(batch_size)), desc=f"evaluate {task}", unit="batch", disable=not progress):
-            ids = batch["input_ids"].to(device)
-            mask = batch["attention_mask"].to(device)
-            targets = batch["response_mask"].to(device)  # all real tokens for plain text
-            positions = batch_positions(mask)
-            with capture_hidden(expert, [layer]) as hidden:
-                expert_logits = expert(input_ids=ids, attention_mask=mask).logits
-            target = hidden[layer].float()
-            weights = entropy_weights(next_token_entropy(expert_logits), mask, 1.0)
-            runs = {"merged": None}
-            if handle is not None:
-                runs["corrected"] = torch.zeros(ids.shape[0], num_tasks, device=device)
-                runs["corrected"][:, task_index] = 1.0
-            for name, task_weights in runs.items():
-                if handle is not None:
-                    handle.set_task_weights(task_weights)
-                with capture_hidden(merged, [layer]) as hidden:
-                    logits = merged(input_ids=ids, attention_mask=mask).logits
-                values = token_bias(hidden[layer], target)
-                side = "before" if name == "merged" else "after"
-                bias[side].add(values, positions, mask)
-                weighted[side].add(values, positions, mask, weights)
-                nll[name].add(*token_nll(logits, ids, mask, targets))
-            nll["expert"].add(*token_nll(expert_logits, ids, mask, targets))
-    finally:
-        if handle is not None:
-            handle.remove()
-    result: dict[str, object] = {
-        "task": task,
-        "layer": str(layer),
-        "tokens": nll["merged"].count,
-        "bias_before": bias["before"].overall(),
-        "bias_before_by_position": bias["before"].means(),
-        "nll_expert": nll["expert"].mean,
-        "nll_merged": nll["merged"].mean,
-    }
-    if handle is not None:
-        result.update({
-            "bias_after": bias["after"].overall(),
-            "bias_after_by_position": bias["after"].means(),
-            "bias_reduction": _reduction(bias["before"].overall(), bias["after"].overall()),
-            "weighted_bias_reduction": _reduction(weighted["before"].overall(), weighted["after"].overall()),
-            "late_bias_reduction": _reduction(bias["before"].late(LATE_POSITION), bias["after"].late(LATE_POSITION)),
-            "nll_corrected": nll["corrected"].mean,
-            "nll_gap_closed": _gap_closed(nll["merged"].mean, nll["corrected"].mean, nll["expert"].mean),
-        })
-    return result
+    tally = TaskTally()
+    for batch in tqdm(list(data.batches(batch_size)), desc=f"evaluate {task}", unit="batch", disable=not progress):
+        ref = reference(expert, batch, layer)
+        plain = merged_outputs(merged, ref, layer)
+        fixed = None if corrections is None else corrected_outputs(merged, ref, plain, corrections, task_index, layer)
+        tally.add(ref, plain, fixed)
+    return tally.result(task, layer)
 
 
 OVERALL_KEYS = (
