@@ -42,6 +42,7 @@ from darts_dist.features import merged_hidden, model_dtype
 from darts_dist.fsutil import cache_root
 from darts_dist.models import load_causal_lm
 from darts_dist.stream import TOKEN_FIELDS, arrivals, from_wire, pad_rows, target_column
+from darts_dist.tracking import StepLogger
 
 ENGINE_TAG = "engine"  # DeepSpeed's folder inside each checkpoint
 PROGRESS_FILE = "progress.json"  # step, losses, timings (rank 0)
@@ -345,7 +346,9 @@ def train_steps(
     generator = torch.Generator().manual_seed(settings.seed + rank)
     for _ in range(state.step):  # replay the schedule of the steps the checkpoint already holds
         step_minibatches(features, settings.batch_size, generator)
-    started = time.time()
+    on_step: StepLogger | None = config["on_step"] if rank == 0 else None
+    rows_per_step = settings.batch_size * len(features) * dist.get_world_size()
+    started = step_started = time.time()
     for step in range(state.step + 1, settings.steps + 1):
         if step == config["fail_at_step"] and state.resumed_from is None and rank == 0:
             raise RuntimeError(f"injected failure in step {step} ({FAIL_WORKER_AT_STEP})")
@@ -357,7 +360,13 @@ def train_steps(
         state.step = step
         state.losses.append(reduce_over_ranks([loss.item()], loss.device)[0] / len(features))
         log(f"step {step}/{settings.steps}, loss {state.losses[-1]:.4f}")
+        if on_step is not None:
+            now = time.time()
+            on_step(step, {"loss": state.losses[-1], "rows_per_second": rows_per_step / (now - step_started)})
+            step_started = now
         if step % config["checkpoint_every"] == 0 or step == settings.steps:
+            if on_step is not None:  # the metrics of every checkpointed step are in the store
+                on_step.flush()
             progress["timings"]["train"] = time.time() - started
             if torch.cuda.is_available():
                 memory = reduce_over_ranks([torch.cuda.max_memory_allocated()], loss.device, "max")[0]

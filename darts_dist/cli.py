@@ -53,6 +53,16 @@ def _with_output_dir(config: RunConfig, output_dir: Path | None) -> RunConfig:
     return config if output_dir is None else config.model_copy(update={"output_dir": output_dir.absolute()})
 
 
+def _with_executor(config: RunConfig, args: argparse.Namespace) -> RunConfig:
+    """--in-process and --address override the config's cluster section."""
+    update = {}
+    if args.in_process:
+        update["executor"] = "in-process"
+    if args.address:
+        update["address"] = args.address
+    return config.model_copy(update={"cluster": config.cluster.model_copy(update=update)}) if update else config
+
+
 def print_results(title: str, evaluation: dict) -> None:
     from darts_dist.evaluate import evaluation_rows
 
@@ -141,7 +151,7 @@ def cmd_merge(args: argparse.Namespace) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
 
-    config = _with_output_dir(load_config(args.config), args.output_dir)
+    config = _with_executor(_with_output_dir(load_config(args.config), args.output_dir), args)
     with _session(config.tracking, config.name, "calibrate") as tracking:
         state = prepare(config, tracking)
         corrections = run_calibration(state)
@@ -172,7 +182,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import prepare, register_calibration, run_calibration, run_evaluation
 
     name = "tiny" if args.tiny else "demo"
-    config = _with_output_dir(load_config(packaged_config(name)), args.output_dir)
+    config = _with_executor(_with_output_dir(load_config(packaged_config(name)), args.output_dir), args)
     if args.steps is not None:
         config = config.model_copy(update={"calibration": config.calibration.model_copy(update={"steps": args.steps})})
     console.print(f"darts-dist demo ({name}): run folder {config.run_dir}")
@@ -257,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     for p in (demo, calibrate, evaluate):
         p.add_argument("--output-dir", type=Path, default=None, help="override the config's output_dir")
+    for p in (demo, calibrate):
+        p.add_argument("--address", default=None,
+                       help="an existing Ray cluster to calibrate on (default: cluster.address, RAY_ADDRESS, "
+                            "else a local cluster started for the job)")
+        p.add_argument("--in-process", action="store_true",
+                       help="calibrate with the one-process reference loop instead of Ray")
     for p in (demo, merge, calibrate, evaluate, register):
         p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
     return parser

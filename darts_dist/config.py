@@ -114,6 +114,9 @@ class CalibrationSection(_Section):
 class ClusterSection(_Section):
     """Where the work runs: local Ray by default, or an existing cluster."""
 
+    # "ray": expert actors stream into Ray Train workers (a local cluster started for the job unless
+    # `address`, --address or RAY_ADDRESS names one); "in-process": the one-process reference loop.
+    executor: Literal["ray", "in-process"] = "ray"
     address: str | None = None
     num_workers: PositiveInt = 1
     zero_stage: Literal[0, 1, 2, 3] = 0

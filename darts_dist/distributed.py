@@ -44,6 +44,7 @@ from darts_dist.models import content_hash, load_tokenizer
 from darts_dist.pipeline import CalibrationOutcome, corrections_metadata, token_weights, tokenized
 from darts_dist.sources import ResolvedSources
 from darts_dist.stream import ExactlyOnceSplit, expert_resources, expert_stream
+from darts_dist.tracking import StepLogger
 
 FAIL_EXPERT_AFTER = "DARTS_DIST_FAIL_EXPERT_AFTER"
 
@@ -60,6 +61,7 @@ class JobPlan:
     run_id: str
     storage_path: str
     address: str | None = None
+    on_step: StepLogger | None = None  # per-step metrics to MLflow, sent by rank 0
 
 
 @dataclass
@@ -207,6 +209,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 "checkpoint_every": cluster.checkpoint_every,
                 "feature_memory_mb": cluster.feature_memory_mb,
                 "fail_at_step": _env_int(FAIL_WORKER_AT_STEP),
+                "on_step": plan.on_step,
             },
             scaling_config=ray.train.ScalingConfig(
                 num_workers=cluster.num_workers,
@@ -277,7 +280,13 @@ def default_run_id(config: RunConfig, merged_dir: Path, data: Mapping[str, Token
     return f"{config.name}-{digest.hexdigest()[:12]}"
 
 
-def job_plan(config: RunConfig, sources: ResolvedSources, merged_dir: Path, address: str | None = None) -> JobPlan:
+def job_plan(
+    config: RunConfig,
+    sources: ResolvedSources,
+    merged_dir: Path,
+    address: str | None = None,
+    on_step: StepLogger | None = None,
+) -> JobPlan:
     """The job for a validated config: calibration sets tokenised as the in-process stage does."""
     tokenizer = load_tokenizer(sources.base)
     data = {task: tokenized(config, sources, task, "calibration", tokenizer) for task in config.tasks}
@@ -294,6 +303,7 @@ def job_plan(config: RunConfig, sources: ResolvedSources, merged_dir: Path, addr
         run_id=cluster.run_id or default_run_id(config, merged_dir, data),
         storage_path=cluster.storage_path or str((config.run_dir / "ray-train").absolute()),
         address=address or cluster.address or os.environ.get("RAY_ADDRESS"),
+        on_step=on_step,
     )
 
 
@@ -319,10 +329,14 @@ def summary(job: JobResult) -> str:
 
 
 def calibrate_distributed(
-    config: RunConfig, sources: ResolvedSources, merged_dir: Path, address: str | None = None
+    config: RunConfig,
+    sources: ResolvedSources,
+    merged_dir: Path,
+    address: str | None = None,
+    on_step: StepLogger | None = None,
 ) -> CalibrationOutcome:
     """The calibrate stage as a Ray job; saves RUN_DIR/corrections.safetensors like the in-process stage."""
-    plan = job_plan(config, sources, merged_dir, address)
+    plan = job_plan(config, sources, merged_dir, address, on_step)
     cluster = config.cluster
     print(f"calibrate: Ray run {plan.run_id} ({cluster.num_workers} worker(s), ZeRO-{cluster.zero_stage}), "
           f"checkpoints in {plan.storage_path}")
@@ -335,4 +349,7 @@ def calibrate_distributed(
         for index, task in enumerate(plan.data)
     }
     result = CalibrationResult(corrections=job.corrections, losses=job.losses, seconds=job.timings["train"])
-    return CalibrationOutcome(corrections_path=path, result=result, entropy_weights=weights)
+    details = {"run_id": plan.run_id, "checkpoint_path": job.checkpoint_path, "resumed_from": job.resumed_from,
+               "stream": {**job.stream, "object_store_peak_bytes": job.object_store_peak_bytes},
+               "seconds": job.timings}
+    return CalibrationOutcome(corrections_path=path, result=result, entropy_weights=weights, job=details)

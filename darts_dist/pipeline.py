@@ -104,6 +104,8 @@ class CalibrationOutcome:
     corrections_path: Path
     result: CalibrationResult
     entropy_weights: dict[str, torch.Tensor]  # each task's w_t on its real calibration tokens
+    # The Ray job's run id, stream statistics and where its seconds went; None for the in-process loop.
+    job: dict[str, object] | None = None
 
 
 def token_weights(features: TaskFeatures, settings: CalibrationSection) -> torch.Tensor:
@@ -248,24 +250,35 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
 
 
 def run_calibration(state: RunState) -> Path:
-    """calibrate, save the corrections and the plots (tracked: per-step metrics too); returns the corrections' path."""
+    """calibrate (on Ray or in-process, as `cluster.executor` says), save the corrections and the plots
+    (tracked: per-step metrics too); returns the corrections' path."""
     started = time.perf_counter()
     config, tracking = state.config, state.tracking
+    executor = config.cluster.executor
     run_id = on_step = None
     if tracking is not None:
-        device = str(resolve_device(config.calibration.device))
-        run_id = tracking.start_stage("calibration", system_tags(config, device, executor="in-process"))
+        # On Ray the device is decided inside each worker: a GPU when the cluster gives it one.
+        device = ("cuda" if config.cluster.use_gpu else "cpu") if executor == "ray" else str(
+            resolve_device(config.calibration.device))
+        run_id = tracking.start_stage("calibration", system_tags(config, device, executor=executor))
         on_step = tracking.step_logger(run_id)
-    outcome = calibrate_stage(config, state.sources, state.merged_dir, on_step=on_step)
+    if executor == "ray":
+        from darts_dist.distributed import calibrate_distributed  # it imports this module
+
+        outcome = calibrate_distributed(config, state.sources, state.merged_dir, on_step=on_step)
+    else:
+        outcome = calibrate_stage(config, state.sources, state.merged_dir, on_step=on_step)
     losses = outcome.result.losses
     state.report["corrections"] = str(outcome.corrections_path)
     state.report["calibration"] = {
+        "executor": executor,
         "steps": len(losses),
         "first_loss": losses[0],
         "final_loss": losses[-1],
         "train_seconds": outcome.result.seconds,
         "seconds": time.perf_counter() - started,
         "losses": losses,
+        **({"job": outcome.job} if outcome.job is not None else {}),
     }
     plots = {
         "loss": plot_loss(losses, config.run_dir / "plots" / "loss.png"),
@@ -278,6 +291,11 @@ def run_calibration(state: RunState) -> Path:
     if tracking is not None:
         on_step.flush()
         summary = {k: state.report["calibration"][k] for k in ("first_loss", "final_loss", "train_seconds")}
+        if outcome.job is not None:
+            summary |= {f"job.{group}.{name}": value for group in ("stream", "seconds")
+                        for name, value in outcome.job[group].items()}
+            tracking.set_tags(run_id, {"darts.ray_run_id": outcome.job["run_id"],
+                                       "darts.checkpoint": outcome.job["checkpoint_path"]})
         log_calibration(tracking, run_id, config, state.merged_dir, outcome.corrections_path,
                         read_header(outcome.corrections_path), plots, summary)
     return outcome.corrections_path

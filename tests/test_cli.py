@@ -43,6 +43,8 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert read_header(run_dir / "corrections.safetensors")["spec"]["tasks"] == ["code", "math", "instruct"]
     assert (run_dir / "merged" / "model.safetensors").is_file()
     assert report["calibration"]["steps"] == 30
+    assert report["calibration"]["executor"] == "ray"  # the demo calibrates on a local Ray cluster
+    assert report["calibration"]["job"]["stream"]["rows"] == 3 * 32  # every calibration row, once
     assert report["calibration"]["final_loss"] < report["calibration"]["first_loss"]
     darts = report["variants"]["darts"]
     assert set(darts["tasks"]) == {"code", "math", "instruct"}
@@ -98,9 +100,10 @@ def _fails_cleanly(config_path: Path, tmp_path: Path, capsys, *expected: str) ->
 
 def test_calibrate_with_a_user_config_writes_corrections(user_config, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
-    assert main(["calibrate", str(user_config()), "--output-dir", str(out)]) == 0
+    assert main(["calibrate", str(user_config()), "--output-dir", str(out), "--in-process"]) == 0
     assert (out / "user" / "corrections.safetensors").is_file()
     assert str(out / "user" / "corrections.safetensors") in capsys.readouterr().out
+    assert json.loads((out / "user" / "calibration.json").read_text())["calibration"]["executor"] == "in-process"
 
 
 def test_mismatched_vocabulary_is_refused_before_loading(user_config, tiny_family, tmp_path: Path, capsys) -> None:

@@ -143,8 +143,12 @@ def test_a_calibration_logs_params_metrics_and_artifacts(tracked, tmp_path: Path
     assert calibration.data.params["calibration.steps"] == str(STEPS)
     assert calibration.data.params["calibration.learning_rate"] == "0.05"
     tags = calibration.data.tags
-    assert (tags["darts.executor"], tags["darts.device"], tags["darts.ray_address"]) == ("in-process", "cpu", "local")
+    # Calibrated on a Ray cluster started for the command: rank 0 of the workers logged each step.
+    assert (tags["darts.executor"], tags["darts.device"], tags["darts.ray_address"]) == ("ray", "cpu", "local")
     assert (tags["darts.num_workers"], tags["darts.zero_stage"]) == ("1", "0")
+    assert tags["darts.ray_run_id"] == tracked.report["calibration"]["job"]["run_id"]
+    assert calibration.data.metrics["job.stream.rows"] == 16  # 8 calibration samples of each task
+    assert calibration.data.metrics["job.seconds.total"] > 0
     losses = client.get_metric_history(calibration.info.run_id, "loss")
     assert [m.step for m in losses] == list(range(1, STEPS + 1))
     assert [m.value for m in losses] == pytest.approx(tracked.report["calibration"]["losses"])
