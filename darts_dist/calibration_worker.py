@@ -170,8 +170,10 @@ def drain(
     settings: CalibrationSection,
     lockstep: bool,
     log: Progress,
+    expert_nodes: dict[str, set[str]],
 ) -> int:
     """Keep this worker's rows of every task in `store`; returns the bytes of hidden states received.
+    `expert_nodes` gets, per task, the nodes its expert actors ran on.
 
     In feature mode the merged model runs here once per row, so training steps need no model at all.
     """
@@ -201,6 +203,7 @@ def drain(
                 arrays[merged_column(layer)] = hidden[i, :length].cpu().numpy()
             store.add(task, int(row), arrays)
         rows += len(batch["row"])
+        expert_nodes.setdefault(task, set()).update(batch["node"])
         log(f"streamed {rows} rows ({rows / (time.perf_counter() - started):.1f} rows/s)")
     log(f"streamed {rows} rows in {time.perf_counter() - started:.1f} s", force=True)
     return received
@@ -293,6 +296,17 @@ def save_checkpoint(
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
+def placement(expert_nodes: Mapping[str, set[str]]) -> dict[str, object]:
+    """Which node ran what, gathered from every rank: each rank's node, and each task's expert nodes."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (ray.get_runtime_context().get_node_id(), expert_nodes))
+    experts: dict[str, set[str]] = {}
+    for _, nodes in gathered:
+        for task, ids in nodes.items():
+            experts.setdefault(task, set()).update(ids)
+    return {"workers": [node for node, _ in gathered], "experts": {task: sorted(ids) for task, ids in experts.items()}}
+
+
 def train_loop_per_worker(config: dict) -> None:
     """One calibration worker; Ray Train runs it on every rank, and again from the last checkpoint after a failure."""
     settings: CalibrationSection = config["settings"]
@@ -315,7 +329,9 @@ def train_loop_per_worker(config: dict) -> None:
     timings = {"worker_start": started, "setup": time.time() - started}
     with tempfile.TemporaryDirectory(prefix="darts-features-") as spill_dir:
         store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
-        received = drain(stream, engine.module, store, settings, lockstep=config["zero_stage"] == 3, log=log)
+        expert_nodes: dict[str, set[str]] = {}
+        received = drain(stream, engine.module, store, settings, lockstep=config["zero_stage"] == 3, log=log,
+                         expert_nodes=expert_nodes)
         row_ids = {task: store.row_ids(task) for task in tasks}
         missing = [task for task, ids in row_ids.items() if not ids]
         if missing:
@@ -327,7 +343,7 @@ def train_loop_per_worker(config: dict) -> None:
         stream_stats = {"rows": rows, "bytes": received, "spilled_bytes": spilled,
                         "peak_memory_bytes": reduce_over_ranks([store.peak_memory_bytes], device, "max")[0]}
         timings["stream"] = time.time() - started - timings["setup"]
-        progress = {"timings": timings, "stream": stream_stats}
+        progress = {"timings": timings, "stream": stream_stats, "placement": placement(expert_nodes)}
         train_steps(engine, features, state, config, row_entropies(features, row_ids), progress, log)
 
 

@@ -122,8 +122,16 @@ class ClusterSection(_Section):
     zero_stage: Literal[0, 1, 2, 3] = 0
     use_gpu: bool = False
     cpus_per_worker: float = Field(default=1.0, gt=0.0)
+    # Ray resources per expert actor and per training worker: CPU, GPU, or custom ones that name the
+    # nodes they must run on (e.g. {expert_node: 1}, given to a node by `ray start --resources`).
     expert_resources: dict[str, float] = Field(default_factory=dict)
     worker_resources: dict[str, float] = Field(default_factory=dict)
+    # How the training workers' placement group packs them (Ray's strategies); SPREAD and
+    # STRICT_SPREAD also spread the expert actors over the nodes.
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # How long a job waits for nodes with the resources above (an autoscaler may be adding them)
+    # before it fails with a message naming what is missing, rather than hanging.
+    resource_wait_s: float = Field(default=120.0, gt=0)
     # The Ray Train run: the same run id resumes from its last checkpoint. Default: NAME plus a hash of
     # everything that decides the result, so an unchanged command resumes and a changed one starts afresh.
     run_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None

@@ -43,7 +43,15 @@ from darts_dist.errors import DartsError
 from darts_dist.models import content_hash, load_tokenizer
 from darts_dist.pipeline import CalibrationOutcome, corrections_metadata, token_weights, tokenized
 from darts_dist.sources import ResolvedSources
-from darts_dist.stream import ExactlyOnceSplit, expert_resources, expert_stream
+from darts_dist.placement import (
+    custom_resources,
+    job_bundles,
+    node_table,
+    placement_tags,
+    wait_for_resources,
+    worker_bundle,
+)
+from darts_dist.stream import ExactlyOnceSplit, expert_stream
 from darts_dist.tracking import StepLogger
 
 FAIL_EXPERT_AFTER = "DARTS_DIST_FAIL_EXPERT_AFTER"
@@ -80,6 +88,9 @@ class JobResult:
     checkpoint_path: str
     object_store_peak_bytes: int  # the most the object store held above its use when the job began
     peak_gpu_memory_bytes: int | None  # the most a worker's GPU held (max over workers); None on CPUs
+    # Node ids: "workers" by rank, "experts" by task (calibration_worker.placement); "nodes": id ->
+    # address and resources.
+    placement: dict[str, object]
 
 
 def _env_int(name: str) -> int | None:
@@ -87,27 +98,30 @@ def _env_int(name: str) -> int | None:
     return None if not value else int(value)
 
 
-def logical_cpus(plan: JobPlan) -> int:
-    """Logical CPUs for a local cluster: one slot for each actor the job starts, plus one for Ray Data.
+def local_cluster_resources(plan: JobPlan) -> dict[str, object]:
+    """`ray.init` arguments of a local cluster for the job: logical CPUs for one slot per actor plus
+    one for Ray Data, and the custom resources the config names (so a config written for a
+    multi-node cluster runs unchanged on one machine).
 
-    Sized above the cores on purpose: on 2 cores, `num_cpus=2` left Ray Data's tasks no CPU next to
-    the training worker and the stream deadlocked (DESIGN.md §4); oversubscribing logically runs.
+    CPUs are sized above the cores on purpose: on 2 cores, `num_cpus=2` left Ray Data's tasks no CPU
+    next to the training worker and the stream deadlocked (DESIGN.md §4); oversubscribing logically runs.
     """
-    expert_cpus = expert_resources(plan.cluster)["num_cpus"]
-    need = len(plan.data) * expert_cpus + plan.cluster.num_workers * plan.cluster.cpus_per_worker + 1
-    return max(os.cpu_count() or 1, int(need + 0.999))
+    bundles = job_bundles(plan.cluster, len(plan.data))
+    need = sum(bundle["CPU"] for bundle in bundles) + 1
+    return {"num_cpus": max(os.cpu_count() or 1, int(need + 0.999)), "resources": custom_resources(bundles)}
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, num_cpus: int) -> Iterator[None]:
-    """This process's Ray cluster: the one it already joined, the one at `address`, or a local one for the job."""
+def ray_session(address: str | None, local: Mapping[str, object]) -> Iterator[None]:
+    """This process's Ray cluster: the one it already joined, the one at `address`, or a local one
+    for the job, started with the `ray.init` arguments `local`."""
     if ray.is_initialized():
         yield
         return
     if address:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+        ray.init(include_dashboard=False, **local)
     try:
         yield
     finally:
@@ -198,7 +212,8 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
     settings, cluster = plan.settings, plan.cluster
     started = time.time()
     fail_expert_after = _env_int(FAIL_EXPERT_AFTER)
-    with ray_session(plan.address, logical_cpus(plan)):
+    with ray_session(plan.address, local_cluster_resources(plan)):
+        wait_for_resources(cluster, len(plan.data))
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
@@ -214,7 +229,8 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
             scaling_config=ray.train.ScalingConfig(
                 num_workers=cluster.num_workers,
                 use_gpu=cluster.use_gpu,
-                resources_per_worker={"CPU": cluster.cpus_per_worker, **cluster.worker_resources},
+                resources_per_worker={k: v for k, v in worker_bundle(cluster).items() if v},
+                placement_strategy=cluster.placement_strategy,
             ),
             datasets={
                 task: expert_stream(data, plan.experts[task], settings, cluster, fail_expert_after)
@@ -238,6 +254,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 result = trainer.fit()
             except ray.train.TrainingFailedError as error:
                 raise (_user_error(error) or error) from None
+        nodes = node_table()  # while connected: the nodes' addresses and resources, for the record
     finished = time.time()
     corrections, progress, rows, entropy = _read_checkpoint(result.checkpoint)
     timings = progress["timings"]
@@ -261,6 +278,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
         checkpoint_path=result.checkpoint.path,
         object_store_peak_bytes=store_use.peak,
         peak_gpu_memory_bytes=progress.get("peak_gpu_memory_bytes"),
+        placement={**progress["placement"], "nodes": nodes},
     )
 
 
@@ -342,6 +360,9 @@ def calibrate_distributed(
           f"checkpoints in {plan.storage_path}")
     job = run_calibration_job(plan)
     print(f"calibrate: {summary(job)}")
+    tags = placement_tags(job.placement)
+    print("calibrate: placement: " + "; ".join(f"{key.removeprefix('darts.placement.')} on {node}"
+                                                for key, node in tags.items()))
     path = save_corrections(config.run_dir / "corrections.safetensors", job.corrections,
                             metadata=corrections_metadata(merged_dir))
     weights = {
@@ -350,6 +371,7 @@ def calibrate_distributed(
     }
     result = CalibrationResult(corrections=job.corrections, losses=job.losses, seconds=job.timings["train"])
     details = {"run_id": plan.run_id, "checkpoint_path": job.checkpoint_path, "resumed_from": job.resumed_from,
+               "placement": job.placement,
                "stream": {**job.stream, "object_store_peak_bytes": job.object_store_peak_bytes},
                "seconds": job.timings}
     return CalibrationOutcome(corrections_path=path, result=result, entropy_weights=weights, job=details)

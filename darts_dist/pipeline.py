@@ -37,6 +37,7 @@ from darts_dist.fsutil import atomic_file
 from darts_dist.generation import load_corrections_for
 from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
 from darts_dist.models import content_hash, load_causal_lm, load_tokenizer, read_model_info
+from darts_dist.placement import placement_tags
 from darts_dist.plots import plot_bias_by_position, plot_entropy_weights, plot_loss
 from darts_dist.registry import (
     DECISION_TAG,
@@ -295,7 +296,8 @@ def run_calibration(state: RunState) -> Path:
             summary |= {f"job.{group}.{name}": value for group in ("stream", "seconds")
                         for name, value in outcome.job[group].items()}
             tracking.set_tags(run_id, {"darts.ray_run_id": outcome.job["run_id"],
-                                       "darts.checkpoint": outcome.job["checkpoint_path"]})
+                                       "darts.checkpoint": outcome.job["checkpoint_path"],
+                                       **placement_tags(outcome.job["placement"])})
         log_calibration(tracking, run_id, config, state.merged_dir, outcome.corrections_path,
                         read_header(outcome.corrections_path), plots, summary)
     return outcome.corrections_path

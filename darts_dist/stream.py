@@ -1,7 +1,8 @@
 """Expert actors -> Ray Data rows -> the training workers' shards, with back-pressure all the way.
 
 A row is one calibration sample, cut to its real length: `task`, `row` (its index in the task's
-calibration set, so that "every row exactly once" can be checked), `input_ids`,
+calibration set, so that "every row exactly once" can be checked), `node` (the Ray node of the
+expert actor that made it), `input_ids`,
 `attention_mask`, `response_mask`, `entropy` (H_t, fp32: one scalar per token) and
 `target.<layer>` (h^k at each surgery layer). Hidden states travel in the expert's compute
 dtype: fp32 on CPU, fp16 or bf16 on GPU (bf16, which numpy lacks, as its raw 16 bits).
@@ -26,6 +27,7 @@ import ray.data
 import ray.train
 
 from darts_dist.config import CalibrationSection, ClusterSection
+from darts_dist.placement import expert_actor_options
 
 if TYPE_CHECKING:
     from darts_dist.data import TokenizedSet
@@ -118,6 +120,7 @@ class ExpertStream:
         self.layers = list(layers)
         self.fail_after_batches = fail_after_batches
         self.batches = 0
+        self.node = ray.get_runtime_context().get_node_id()  # each row says where it was made
 
     def __call__(self, batch: Batch) -> Batch:
         import torch
@@ -130,6 +133,7 @@ class ExpertStream:
         mask = torch.from_numpy(pad_rows(batch["attention_mask"])).to(self.device)
         hidden, entropy = expert_targets(self.model, ids, mask, self.layers)
         rows = {name: batch[name] for name in ("task", "row", *TOKEN_FIELDS)}
+        rows["node"] = np.full(len(lengths), self.node, dtype=object)
         rows["entropy"] = _ragged(entropy.cpu().numpy(), lengths)
         for layer in self.layers:
             # expert_targets upcasts to fp32; sent in the compute dtype (exact), half as many bytes leave GPUs.
@@ -145,16 +149,6 @@ class ExpertStream:
             return
         if not ray.get_runtime_context().was_current_actor_reconstructed:
             os._exit(1)
-
-
-def expert_resources(cluster: ClusterSection) -> dict[str, object]:
-    """Ray resources of one expert actor: `cluster.expert_resources`, else 1 GPU on a GPU cluster, else 1 CPU."""
-    wanted = dict(cluster.expert_resources)
-    return {
-        "num_cpus": wanted.pop("CPU", 1.0),
-        "num_gpus": wanted.pop("GPU", 1.0 if cluster.use_gpu else 0.0),
-        "resources": wanted,
-    }
 
 
 def expert_stream(
@@ -182,7 +176,7 @@ def expert_stream(
         },
         batch_size=settings.batch_size,
         compute=ray.data.ActorPoolStrategy(size=1),
-        **expert_resources(cluster),
+        **expert_actor_options(cluster),
     )
     dataset.set_name(f"expert-{data.task}")
     # darts-dist prints its own progress; Ray Data's bars would interleave with it.

@@ -1,0 +1,129 @@
+"""Where a calibration job's actors run: their Ray resources, a bounded wait for nodes that have
+them, and a record of which node ran what.
+
+Imports stay light (no torch): the stream's Ray Data actors import this module too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import ray
+
+from darts_dist.config import ClusterSection
+from darts_dist.errors import DartsError
+
+Bundle = dict[str, float]  # one actor's Ray resources, as placement groups write them: {"CPU": 1, "GPU": 1, ...}
+
+# Resources Ray gives every node itself; the rest of a node's resources are the user's labels.
+BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def expert_bundle(cluster: ClusterSection) -> Bundle:
+    """One expert actor: `cluster.expert_resources`, with 1 CPU, and 1 GPU on a GPU cluster, unless they say otherwise."""
+    return {"CPU": 1.0, "GPU": 1.0 if cluster.use_gpu else 0.0, **cluster.expert_resources}
+
+
+def worker_bundle(cluster: ClusterSection) -> Bundle:
+    """One training worker: `cpus_per_worker` CPUs, 1 GPU on a GPU cluster, and `worker_resources`."""
+    return {"CPU": cluster.cpus_per_worker, "GPU": 1.0 if cluster.use_gpu else 0.0, **cluster.worker_resources}
+
+
+def expert_actor_options(cluster: ClusterSection) -> dict[str, object]:
+    """Ray Data's `map_batches` arguments that place an expert actor: its resources and, when the
+    config spreads the job, a SPREAD scheduling strategy so the experts land on different nodes."""
+    bundle = dict(expert_bundle(cluster))
+    options: dict[str, object] = {"num_cpus": bundle.pop("CPU"), "num_gpus": bundle.pop("GPU"), "resources": bundle}
+    if cluster.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
+        options["scheduling_strategy"] = "SPREAD"
+    return options
+
+
+def job_bundles(cluster: ClusterSection, num_experts: int) -> list[Bundle]:
+    return [expert_bundle(cluster)] * num_experts + [worker_bundle(cluster)] * cluster.num_workers
+
+
+def custom_resources(bundles: Sequence[Bundle]) -> dict[str, float]:
+    """The user-named resources the bundles need in all: what a local cluster must give its one node."""
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            if name not in BUILTIN_RESOURCES:
+                total[name] = total.get(name, 0.0) + amount
+    return total
+
+
+def unplaced(bundles: Sequence[Bundle], nodes: Sequence[Mapping[str, float]]) -> list[Bundle]:
+    """The bundles that find no room on `nodes` (their total resources), the most demanding placed
+    first, each on the first node it fits.
+
+    Totals, not what is free now: the question is whether this cluster can ever run the job.
+    """
+    free = [dict(node) for node in nodes]
+    left = []
+    for bundle in sorted(bundles, key=lambda b: (sum(1 for v in b.values() if v), sum(b.values())), reverse=True):
+        node = next((n for n in free if all(n.get(k, 0.0) >= v for k, v in bundle.items() if v)), None)
+        if node is None:
+            left.append(bundle)
+            continue
+        for name, amount in bundle.items():
+            node[name] = node.get(name, 0.0) - amount
+    return left
+
+
+def alive_nodes() -> list[dict]:
+    return [node for node in ray.nodes() if node["Alive"]]
+
+
+def wait_for_resources(cluster: ClusterSection, num_experts: int, poll_s: float = 2.0) -> None:
+    """Return once the cluster's nodes can hold every expert actor and training worker; after
+    `cluster.resource_wait_s` seconds without, fail naming what is missing (Ray would wait forever)."""
+    bundles = job_bundles(cluster, num_experts)
+    deadline = time.monotonic() + cluster.resource_wait_s
+    while True:
+        nodes = [node["Resources"] for node in alive_nodes()]
+        missing = unplaced(bundles, nodes)
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    have = "; ".join(_labels(n) for n in nodes) or "no nodes"
+    raise DartsError(
+        f"the Ray cluster has no room for {len(missing)} of the job's {len(bundles)} actors after waiting "
+        f"{cluster.resource_wait_s:.0f} s: unplaced {[_brief(b) for b in missing]}; its nodes have: {have}",
+        "add nodes with those resources (`ray start --resources '{\"NAME\": N}'`, or the cluster YAML's "
+        "node types), or change cluster.expert_resources / worker_resources / num_workers / use_gpu; "
+        "cluster.resource_wait_s sets how long to wait for an autoscaler",
+    )
+
+
+def _brief(resources: Mapping[str, float]) -> dict[str, float]:
+    return {k: v for k, v in sorted(resources.items())
+            if v and not k.startswith("node:") and k not in ("memory", "object_store_memory")}
+
+
+def _labels(resources: Mapping[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in _brief(resources).items())
+
+
+def node_table() -> dict[str, dict[str, object]]:
+    """Each alive node's id -> its address and resources (the user's labels among them)."""
+    return {node["NodeID"]: {"address": node["NodeManagerAddress"], "resources": _brief(node["Resources"])}
+            for node in alive_nodes()}
+
+
+def placement_tags(placement: Mapping[str, object]) -> dict[str, str]:
+    """MLflow tags of which node ran what, darts.placement.expert.TASK and darts.placement.worker.RANK,
+    each naming the node by address, id and resources (on one machine only the id tells nodes apart).
+    `placement`: node ids under "experts" (by task) and "workers" (by rank), and the "nodes" table."""
+    nodes = placement["nodes"]
+
+    def name(node: str) -> str:
+        info = nodes.get(node)
+        return node if info is None else f"{info['address']} {node[:8]} ({_labels(info['resources'])})"
+
+    tags = {f"darts.placement.expert.{task}": ", ".join(map(name, ids)) for task, ids in placement["experts"].items()}
+    tags |= {f"darts.placement.worker.{rank}": name(node) for rank, node in enumerate(placement["workers"])}
+    return tags

@@ -1,0 +1,109 @@
+"""cluster/ and jobs/: the launcher YAML, the KubeRay manifests and the job entry points are valid,
+consistent with each other, and give the configs what they ask for."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from darts_dist.config import load_config, parse_config
+from darts_dist.placement import custom_resources, job_bundles, unplaced
+
+REPO = Path(__file__).absolute().parent.parent
+JOB_COMMANDS = ("merge", "calibrate", "evaluate", "register", "serve-deploy")
+
+
+def load_all(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def resources_of(start_params: dict) -> dict[str, float]:
+    """The custom resources a KubeRay rayStartParams gives its pods (a JSON string in a string)."""
+    return yaml.safe_load(yaml.safe_load(start_params["resources"])) if "resources" in start_params else {}
+
+
+def test_the_launcher_yaml_has_a_cpu_head_and_gpu_workers_for_the_llama_job() -> None:
+    cluster = yaml.safe_load((REPO / "cluster" / "ray-cluster.yaml").read_text())
+    for key in ("cluster_name", "provider", "available_node_types", "head_node_type", "max_workers",
+                "head_start_ray_commands", "worker_start_ray_commands"):
+        assert key in cluster, key
+    types = cluster["available_node_types"]
+    head = types[cluster["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0 and head["max_workers"] == 0
+    workers = [t for name, t in types.items() if name != cluster["head_node_type"]]
+    assert all(t["resources"]["GPU"] > 0 and t["min_workers"] <= t["max_workers"] for t in workers)
+    assert sum(t["max_workers"] for t in workers) <= cluster["max_workers"]
+    # At its largest, the cluster holds every expert actor and calibration worker of the llama config.
+    config = load_config(REPO / "jobs" / "configs" / "llama2-7b.yaml")
+    nodes = [head["resources"]] + [t["resources"] for t in workers for _ in range(t["max_workers"])]
+    assert unplaced(job_bundles(config.cluster, len(config.tasks)), nodes) == []
+    assert any("--head" in command for command in cluster["head_start_ray_commands"])
+
+
+def test_kuberay_cluster_and_job_fit_the_config_they_carry() -> None:
+    (cluster,) = load_all(REPO / "cluster" / "kuberay" / "raycluster.yaml")
+    config_map, job = load_all(REPO / "cluster" / "kuberay" / "rayjob.yaml")
+    assert (cluster["apiVersion"], cluster["kind"]) == ("ray.io/v1", "RayCluster")
+    assert (config_map["kind"], job["kind"]) == ("ConfigMap", "RayJob")
+    assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
+
+    # The ConfigMap holds the llama config unchanged, and it validates.
+    (name, text), = config_map["data"].items()
+    assert yaml.safe_load(text) == yaml.safe_load((REPO / "jobs" / "configs" / name).read_text())
+    config = parse_config(yaml.safe_load(text))
+
+    # The entrypoint runs an existing job command on the config where the head pod mounts the ConfigMap.
+    entry = shlex.split(job["spec"]["entrypoint"])
+    assert entry[:2] == ["python", "/app/jobs/run.py"] and (REPO / "jobs" / "run.py").is_file()
+    assert entry[2] in JOB_COMMANDS and entry[3] == f"/config/{name}"
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in head["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in head["volumes"]}
+    config_volume = next(n for n, v in volumes.items() if v.get("configMap", {}).get("name") == config_map["metadata"]["name"])
+    assert mounts[config_volume] == "/config"
+
+    # GPU requests match the resources Ray is told about, and the largest cluster fits the job.
+    nodes = [{"CPU": 8}]
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        container = group["template"]["spec"]["containers"][0]
+        gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+        assert int(container["resources"]["requests"]["nvidia.com/gpu"]) == gpus > 0
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        node = {"CPU": float(container["resources"]["limits"]["cpu"]), "GPU": gpus, **resources_of(group["rayStartParams"])}
+        nodes += [node] * group["maxReplicas"]
+    bundles = job_bundles(config.cluster, len(config.tasks))
+    assert unplaced(bundles, nodes) == []
+    assert set(custom_resources(bundles)) <= {k for n in nodes for k in n}
+    # Every image is the one cluster/Dockerfile builds, at this version.
+    images = {c["image"] for spec in (head, *(g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]))
+              for c in spec["containers"]}
+    assert images == {"ghcr.io/darts-dist/darts-dist:0.1.0-gpu"}
+    assert "FROM rayproject/ray:2.60.0" in (REPO / "cluster" / "Dockerfile").read_text()
+
+
+def test_the_runtime_env_pins_this_version_and_ships_no_build_output() -> None:
+    import darts_dist
+
+    env = yaml.safe_load((REPO / "jobs" / "runtime_env.yaml").read_text())
+    assert env["working_dir"] == "."
+    assert env["env_vars"]["DARTS_DIST_VERSION"] == darts_dist.__version__
+    assert {".venv", ".git", "runs", "mlruns"} <= set(env["excludes"])
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "jobs" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_job_config_validates(config: Path) -> None:
+    assert load_config(config).tasks
+
+
+def test_the_job_entry_point_forwards_to_the_command_line(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "jobs/run.py", "calibrate", "--help"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "--address" in result.stdout
+    result = subprocess.run([sys.executable, "jobs/run.py", "nonsense"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "usage:" in result.stderr

@@ -1,0 +1,120 @@
+"""Multi-node: a real two-node Ray cluster on 127.0.0.1 (cluster/local.sh), jobs sent with `ray job submit`.
+
+The head is labelled train_node and the second node expert_node; the config asks for the expert
+actors on expert_node and the calibration worker on train_node, and the job's report says where
+each ran. The cluster is stopped at the end even when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from darts_dist.cli import main
+from darts_dist.core import load_corrections
+
+REPO = Path(__file__).absolute().parent.parent
+# The job and the single-node run train on the same rows with the same Adam steps: equal up to BLAS
+# summation order.
+SAME_CORRECTIONS_ATOL = 1e-6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    # Ray's socket paths must stay under 107 bytes: a short folder right under /tmp.
+    folder = tempfile.mkdtemp(prefix="dd-", dir="/tmp")
+    env = {**os.environ, "DARTS_LOCAL_CLUSTER_DIR": folder, "PORT": str(free_port()),
+           "DASHBOARD_PORT": str(free_port()), "HEAD_CPUS": "2", "WORKER_CPUS": "4"}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        started = subprocess.run(["bash", str(REPO / "cluster" / "local.sh"), "start"], env=env,
+                                 capture_output=True, text=True, timeout=300)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        yield SimpleNamespace(env=env, dashboard=f"http://127.0.0.1:{env['DASHBOARD_PORT']}")
+    finally:
+        subprocess.run(["bash", str(REPO / "cluster" / "local.sh"), "stop"], env=env, timeout=120)
+        assert not subprocess.run(["pgrep", "-f", folder + "/"], capture_output=True).stdout, "cluster left running"
+
+
+def write_config(tiny_family, folder: Path, **cluster: object) -> Path:
+    config = yaml.safe_load((REPO / "jobs" / "configs" / "local-two-node.yaml").read_text())
+    config["sources"]["base"] = str(tiny_family.base)
+    for expert in config["sources"]["experts"]:
+        expert["path"] = str(tiny_family.experts[expert["task"]])
+    config["calibration"] |= {"num_samples": 16, "steps": 20}
+    config["cluster"] |= cluster
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def submit(cluster: SimpleNamespace, *command: str) -> subprocess.CompletedProcess:
+    """`ray job submit` with the project's runtime env, from the repository root, waiting for the end."""
+    return subprocess.run(
+        ["ray", "job", "submit", "--address", cluster.dashboard, "--runtime-env", "jobs/runtime_env.yaml",
+         "--", "python", "jobs/run.py", *command],
+        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=900,
+    )
+
+
+def test_a_submitted_calibration_runs_where_the_config_says(two_nodes, tiny_family, tmp_path) -> None:
+    config = write_config(tiny_family, tmp_path)
+    report_path = tmp_path / "job.json"
+    job = submit(two_nodes, "calibrate", str(config), "--output-dir", str(tmp_path / "job"),
+                 "--report", str(report_path))
+    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
+
+    report = json.loads(report_path.read_text())
+    placement = report["calibration"]["job"]["placement"]
+    nodes = placement["nodes"]
+    assert len(nodes) == 2
+    labelled = {label: next(node for node, info in nodes.items() if label in info["resources"])
+                for label in ("expert_node", "train_node")}
+    assert labelled["expert_node"] != labelled["train_node"]
+    assert placement["experts"] == {task: [labelled["expert_node"]] for task in ("code", "math", "instruct")}
+    assert placement["workers"] == [labelled["train_node"]]
+    # The job's log says it too, naming each node by address, id and resources.
+    assert f"expert.code on {nodes[labelled['expert_node']]['address']} {labelled['expert_node'][:8]}" in job.stdout
+
+    # The same config on one node (a local cluster started with those labels) trains the same corrections.
+    assert main(["calibrate", str(config), "--output-dir", str(tmp_path / "single")]) == 0
+    ours, _ = load_corrections(tmp_path / "job" / "local-two-node" / "corrections.safetensors")
+    theirs, _ = load_corrections(tmp_path / "single" / "local-two-node" / "corrections.safetensors")
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, atol=SAME_CORRECTIONS_ATOL, rtol=0, msg=name)
+
+
+def test_a_job_asking_for_missing_resources_fails_with_a_clear_message(two_nodes, tiny_family, tmp_path) -> None:
+    config = write_config(tiny_family, tmp_path, expert_resources={"gpu_node": 1}, resource_wait_s=3)
+    job = submit(two_nodes, "calibrate", str(config), "--output-dir", str(tmp_path / "out"))
+    assert job.returncode != 0
+    logs = job.stdout + job.stderr
+    assert "no room for 3 of the job's 4 actors after waiting 3 s" in logs, logs[-3000:]
+    assert "gpu_node" in logs and "fix:" in logs
+    assert not (tmp_path / "out" / "local-two-node" / "corrections.safetensors").exists()
+
+
+def test_the_job_entry_point_refuses_another_pinned_version() -> None:
+    env = {**os.environ, "DARTS_DIST_VERSION": "0.0.1"}
+    result = subprocess.run(["python", "jobs/run.py", "validate", "x"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and "usage:" in result.stderr  # validate is not a job command
+    result = subprocess.run(["python", "jobs/run.py", "calibrate", "x.yaml"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "pins darts-dist 0.0.1" in result.stderr and "fix:" in result.stderr
