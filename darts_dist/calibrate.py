@@ -105,7 +105,6 @@ def collect_features(
     """Run expert k (and, in feature mode, the merged model) once over task k's calibration set."""
     device = next(expert.parameters()).device
     targets: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
-    merged_states: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers} if merged is not None else {}
     entropies = []
     batches = list(data.batches(batch_size))
     for batch in tqdm(batches, desc=f"features {task}", unit="batch", disable=not progress):
@@ -115,9 +114,6 @@ def collect_features(
         entropies.append(entropy.cpu())
         for k in layers:
             targets[k].append(hidden[k].cpu())
-        if merged is not None:
-            for k, v in merged_hidden(merged, ids, mask, layers).items():
-                merged_states[k].append(v.cpu())
     length = data.input_ids.shape[1]
     attention_mask = data.attention_mask
     return TaskFeatures(
@@ -129,8 +125,30 @@ def collect_features(
         positions=batch_positions(attention_mask),
         entropy=torch.cat([torch.nn.functional.pad(e, (0, length - e.shape[1])) for e in entropies]),
         targets={k: _pad_cat(v, length) for k, v in targets.items()},
-        merged={k: _pad_cat(v, length) for k, v in merged_states.items()},
+        merged={} if merged is None else collect_merged(task, data, merged, layers, batch_size, progress),
     )
+
+
+def collect_merged(
+    task: str,
+    data: TokenizedSet,
+    merged: PreTrainedModel,
+    layers: Sequence[LayerKey],
+    batch_size: int,
+    progress: bool = True,
+) -> dict[LayerKey, torch.Tensor]:
+    """The merged model's h^m over a calibration set, padded like it: TaskFeatures.merged in feature mode.
+
+    Apart from the expert's pass, so several merges can share one expert pass (the ablation).
+    """
+    device = next(merged.parameters()).device
+    states: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
+    for batch in tqdm(list(data.batches(batch_size)), desc=f"merged features {task}", unit="batch",
+                      disable=not progress):
+        hidden = merged_hidden(merged, batch["input_ids"].to(device), batch["attention_mask"].to(device), layers)
+        for k in layers:
+            states[k].append(hidden[k].cpu())
+    return {k: _pad_cat(v, data.input_ids.shape[1]) for k, v in states.items()}
 
 
 def build_corrections(tasks: Sequence[str], hidden_size: int, settings: CalibrationSection) -> DartsCorrections:
@@ -254,3 +272,21 @@ def calibrate_in_process(
         if handle is not None:
             handle.remove()
     return CalibrationResult(corrections=corrections, losses=losses, seconds=time.perf_counter() - start)
+
+
+def train_corrections(
+    features: Sequence[TaskFeatures],
+    settings: CalibrationSection,
+    merged_model: PreTrainedModel,
+    progress: bool = True,
+    on_step: StepCallback | None = None,
+) -> CalibrationResult:
+    """Fresh corrections for the features' tasks (initialised from `settings.seed`), trained by the reference loop."""
+    torch.manual_seed(settings.seed)
+    tasks = [task.task for task in features]
+    corrections = build_corrections(tasks, merged_model.config.hidden_size, settings)
+    corrections = corrections.to(next(merged_model.parameters()).device)
+    return calibrate_in_process(
+        features, corrections, settings, merged_model=None if features_only(settings.layers) else merged_model,
+        progress=progress, on_step=on_step,
+    )

@@ -40,6 +40,18 @@ TABLE_COLUMNS = {
 }
 
 
+SCORE_COLUMNS = {
+    "score_name": "scorer",
+    "score_n": "n",
+    "score_expert": "expert",
+    "score_merged": "merged",
+    "score_corrected": "corrected",
+    "canonical_nll_expert": "solution NLL expert",
+    "canonical_nll_merged": "solution NLL merged",
+    "canonical_nll_corrected": "solution NLL corrected",
+}
+
+
 # Heavy imports (torch, transformers, mergekit) happen inside the commands, so `--help` and
 # `validate` answer at once.
 
@@ -51,6 +63,16 @@ def packaged_config(name: str) -> Path:
 
 def _with_output_dir(config: RunConfig, output_dir: Path | None) -> RunConfig:
     return config if output_dir is None else config.model_copy(update={"output_dir": output_dir.absolute()})
+
+
+def _with_score_limit(config: RunConfig, limit: str | None) -> RunConfig:
+    """--score-limit N|all overrides evaluation.score_limit (0: no task scores)."""
+    if limit is None:
+        return config
+    if limit != "all" and not (limit.isdigit()):
+        raise DartsError(f"--score-limit takes a number of problems or 'all', got {limit!r}", "e.g. --score-limit 20")
+    value = None if limit == "all" else int(limit)
+    return config.model_copy(update={"evaluation": config.evaluation.model_copy(update={"score_limit": value})})
 
 
 def _with_executor(config: RunConfig, args: argparse.Namespace) -> RunConfig:
@@ -66,11 +88,18 @@ def _with_executor(config: RunConfig, args: argparse.Namespace) -> RunConfig:
 def print_results(title: str, evaluation: dict) -> None:
     from darts_dist.evaluate import evaluation_rows
 
+    _print_table(title, ["task", *TABLE_COLUMNS.values()], evaluation_rows(evaluation["tasks"], list(TABLE_COLUMNS)))
+    scored = {task: result for task, result in evaluation["tasks"].items() if "score_name" in result}
+    if scored:
+        _print_table("task scores (greedy, held-out; HumanEval: pass@1 and NLL of the canonical solution)",
+                     ["task", *SCORE_COLUMNS.values()], evaluation_rows(scored, list(SCORE_COLUMNS)))
+
+
+def _print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     table = Table(title=title)
-    table.add_column("task")
-    for heading in TABLE_COLUMNS.values():
-        table.add_column(heading, justify="right")
-    for row in evaluation_rows(evaluation["tasks"], list(TABLE_COLUMNS)):
+    for index, heading in enumerate(headers):
+        table.add_column(heading, justify="left" if index == 0 else "right")
+    for row in rows:
         table.add_row(*row)
     console.print(table)
 
@@ -167,7 +196,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import prepare, run_evaluation
 
-    config = _with_output_dir(load_config(args.config), args.output_dir)
+    config = _with_score_limit(_with_output_dir(load_config(args.config), args.output_dir), args.score_limit)
     corrections = args.corrections or config.run_dir / "corrections.safetensors"
     if not corrections.is_file():
         raise DartsError(f"no corrections at {corrections}",
@@ -195,6 +224,20 @@ def cmd_demo(args: argparse.Namespace) -> None:
         register_calibration(state)
         _print_registration(state)
         _finish(state.report, args.report, config.run_dir / "report.json", tracking)
+
+
+def cmd_ablate(args: argparse.Namespace) -> None:
+    from darts_dist.ablation import ablation_tables, plan_ablation, run_ablation
+
+    config = _with_score_limit(_with_output_dir(load_config(args.config), args.output_dir), args.score_limit)
+    methods = [m.strip() for m in args.merge_methods.split(",") if m.strip()] if args.merge_methods else None
+    plan = plan_ablation(config, methods, trials=args.tune, validation_fraction=args.validation_fraction,
+                         select=args.select)
+    with _session(config.tracking, config.name, "ablate") as tracking:
+        report = run_ablation(plan, tracking)
+        for title, headers, rows in ablation_tables(report):
+            _print_table(f"{config.name}: {title}", headers, rows)
+        _finish(report, args.report, config.run_dir / "ablation.json", tracking)
 
 
 def cmd_register(args: argparse.Namespace) -> None:
@@ -265,7 +308,21 @@ def build_parser() -> argparse.ArgumentParser:
     validate = command("validate", "check a darts-dist or mergekit YAML without doing any work", cmd_validate)
     validate.add_argument("config", type=Path)
 
-    for p in (demo, calibrate, evaluate):
+    ablate = command("ablate", "the ablation table: merged, Surgery, +entropy, +position, DARTS, per merge method",
+                     cmd_ablate)
+    ablate.add_argument("config", type=Path)
+    ablate.add_argument("--merge-methods", default=None, metavar="M1,M2",
+                        help="mergekit methods to compare (default: the config's, task_arithmetic, ties)")
+    ablate.add_argument("--tune", type=int, default=0, metavar="TRIALS",
+                        help="tune Surgery and DARTS with this many paired trials each on a validation split (default 0)")
+    ablate.add_argument("--validation-fraction", type=float, default=None,
+                        help="share of the calibration data held back for tuning (default: the config's, else 0.2)")
+    ablate.add_argument("--select", default="nll_gap_closed",
+                        help="validation metric tuning maximises (default nll_gap_closed)")
+    for p in (evaluate, ablate):
+        p.add_argument("--score-limit", default=None, metavar="N|all",
+                       help="task-score problems per task (default: evaluation.score_limit; 0: none)")
+    for p in (demo, calibrate, evaluate, ablate):
         p.add_argument("--output-dir", type=Path, default=None, help="override the config's output_dir")
     for p in (demo, calibrate):
         p.add_argument("--address", default=None,
@@ -273,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "else a local cluster started for the job)")
         p.add_argument("--in-process", action="store_true",
                        help="calibrate with the one-process reference loop instead of Ray")
-    for p in (demo, merge, calibrate, evaluate, register):
+    for p in (demo, merge, calibrate, evaluate, register, ablate):
         p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
     return parser
 

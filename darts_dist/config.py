@@ -27,6 +27,9 @@ class DataSpec(_Section):
     heldout: str | None = None
     format: Literal["auto", "text", "chat", "prompt_response"] = "auto"
     text_field: str | None = None
+    # How the task's answers are checked (task_scores.SCORERS); auto: the demo task's own scorer for
+    # `demo:<task>` held-out data, none otherwise.
+    scorer: Literal["auto", "math_exact", "instruct_exact", "humaneval", "none"] = "auto"
 
 
 class ExpertSpec(_Section):
@@ -145,6 +148,15 @@ class ClusterSection(_Section):
     stream_buffer_mb: PositiveInt = 256
 
 
+class EvaluationSection(_Section):
+    """Task scores on held-out data (greedy generation is slow on a CPU, hence the limit)."""
+
+    score_limit: int | None = Field(default=20, ge=0)  # problems per task; None = all, 0 = no task scores
+    max_new_tokens: PositiveInt | None = None  # a cap on every answer; None: each scorer's own length
+    generation_batch_size: PositiveInt = 8
+    sandbox_timeout: float = Field(default=5.0, gt=0.0)  # seconds per HumanEval check program
+
+
 class TrackingSection(_Section):
     """MLflow: embedded sqlite file by default, or a tracking server."""
 
@@ -173,6 +185,7 @@ class RunConfig(_Section):
     merge: MergeSection = MergeSection()
     calibration: CalibrationSection = CalibrationSection()
     cluster: ClusterSection = ClusterSection()
+    evaluation: EvaluationSection = EvaluationSection()
     tracking: TrackingSection = TrackingSection()
     serve: ServeSection = ServeSection()
 

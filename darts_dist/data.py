@@ -143,6 +143,31 @@ def load_rows(
     return ds
 
 
+def calibration_split(
+    ds: datasets.Dataset, validation_fraction: float, split: Literal["calibration", "validation"]
+) -> datasets.Dataset:
+    """The rows calibration trains on, or the validation rows held back from them for tuning.
+
+    Validation is the file's last round(fraction·N) rows (at least one when the fraction is
+    positive), so the training rows stay the file's first ones: a run without validation and
+    one with it train on the same rows as long as the file has enough of them.
+    """
+    if not 0 <= validation_fraction < 1:
+        raise DartsError(f"validation_fraction must be in [0, 1), got {validation_fraction}")
+    count = 0 if validation_fraction == 0 else max(1, round(validation_fraction * len(ds)))
+    if count >= len(ds):
+        raise DartsError(
+            f"a validation split of {validation_fraction:.0%} leaves none of the {len(ds)} calibration rows to train on",
+            fix="lower calibration.validation_fraction or give more calibration rows",
+        )
+    if split == "validation":
+        if count == 0:
+            raise DartsError("no validation split: calibration.validation_fraction is 0",
+                             fix="set calibration.validation_fraction, e.g. 0.2")
+        return ds.select(range(len(ds) - count, len(ds)))
+    return ds.select(range(len(ds) - count))
+
+
 def detect_format(ds: datasets.Dataset, text_field: str | None = None) -> Format:
     """The row format of `ds`: `text_field` if given, else messages > prompt/response > text."""
     return _detect(ds.column_names, text_field, label="the dataset")

@@ -214,14 +214,15 @@ def evaluate_task(
     return tally.result(task, layer)
 
 
+SCORE_KEYS = ("score_expert", "score_merged", "score_corrected")
 OVERALL_KEYS = (
     "bias_before", "bias_after", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction",
-    "nll_expert", "nll_merged", "nll_corrected", "nll_gap_closed",
+    "nll_expert", "nll_merged", "nll_corrected", "nll_gap_closed", *SCORE_KEYS,
 )
 
 
 def overall(tasks: Mapping[str, Mapping[str, object]]) -> dict[str, float | None]:
-    """Unweighted mean over tasks, so every task counts the same whatever its length."""
+    """Unweighted mean over tasks, so every task counts the same whatever its length (scores: over scored tasks)."""
     summary: dict[str, float | None] = {}
     for key in OVERALL_KEYS:
         values = [t[key] for t in tasks.values() if t.get(key) is not None]
@@ -229,16 +230,20 @@ def overall(tasks: Mapping[str, Mapping[str, object]]) -> dict[str, float | None
     return summary
 
 
+def format_value(key: str, value: object) -> str:
+    """A result for people: shares as percentages, counts and names as they are, missing ones as "-"."""
+    if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return "-" if value is None else str(value)
+    if not math.isfinite(float(value)):
+        return "-"
+    if key.endswith(("reduction", "closed")) or key in SCORE_KEYS:
+        return f"{100 * float(value):.1f}%"
+    return f"{float(value):.4f}"
+
+
 def evaluation_rows(tasks: Mapping[str, Mapping[str, object]], columns: Sequence[str]) -> list[list[str]]:
     """Table rows (one per task, then the overall mean) with numbers formatted for people."""
-    def fmt(key: str, value: object) -> str:
-        if value is None or not math.isfinite(float(value)):
-            return "-"
-        if key.endswith(("reduction", "closed")):
-            return f"{100 * float(value):.1f}%"
-        return f"{float(value):.4f}"
-
-    rows = [[name] + [fmt(c, result.get(c)) for c in columns] for name, result in tasks.items()]
+    rows = [[name] + [format_value(c, result.get(c)) for c in columns] for name, result in tasks.items()]
     mean = overall(tasks)
-    rows.append(["overall"] + [fmt(c, mean.get(c)) for c in columns])
+    rows.append(["overall"] + [format_value(c, mean.get(c)) for c in columns])
     return rows

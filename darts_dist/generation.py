@@ -93,6 +93,19 @@ class CorrectedLM:
         corrections = None if corrections_path is None else load_corrections_for(corrections_path, merged_dir)
         return cls(load_causal_lm(merged_dir, dtype=dtype, device=device), load_tokenizer(merged_dir), corrections)
 
+    def close(self) -> None:
+        """Take the corrections' hooks off the model, so it runs plain forwards again (and knows no tasks)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.tasks = ()
+
+    def __enter__(self) -> CorrectedLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def task_index(self, task: str | None) -> int:
         """The correction index of a task name; −1 (no correction) for None."""
         if task is None:

@@ -21,16 +21,15 @@ from darts_dist.calibrate import (
     CalibrationResult,
     StepCallback,
     TaskFeatures,
-    build_corrections,
-    calibrate_in_process,
     collect_features,
     features_only,
     model_dtype,
     resolve_device,
+    train_corrections,
 )
 from darts_dist.config import CalibrationSection, RunConfig
 from darts_dist.core import DartsCorrections, entropy_weights, read_header, save_corrections
-from darts_dist.data import TokenizedSet, load_rows, tokenize_rows
+from darts_dist.data import TokenizedSet, calibration_split, load_rows, tokenize_rows
 from darts_dist.errors import DartsError
 from darts_dist.evaluate import evaluate_task, overall
 from darts_dist.fsutil import atomic_file
@@ -47,6 +46,7 @@ from darts_dist.registry import (
     registered_model_name,
 )
 from darts_dist.sources import ResolvedSources, resolve_sources
+from darts_dist.task_scores import score_task, scorer_for
 from darts_dist.tracking import (
     CORRECTIONS_TAG,
     Tracking,
@@ -84,13 +84,19 @@ def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:
 
 
 def tokenized(config: RunConfig, sources: ResolvedSources, task: str, split: str, tokenizer) -> TokenizedSet:
-    """A task's calibration or held-out set, tokenised with the base's tokenizer."""
+    """A task's calibration, validation or held-out set, tokenised with the base's tokenizer.
+
+    Validation rows (`calibration.validation_fraction` of the calibration file, for tuning) are
+    never calibrated on; calibration takes the first `num_samples` of the others.
+    """
     expert = next(e for e in config.sources.experts if e.task == task)
     files = sources.data[task]
-    path = files.calibration if split == "calibration" else files.heldout
+    rows = load_rows(files.heldout if split == "heldout" else files.calibration, text_field=expert.data.text_field)
+    if split != "heldout":
+        rows = calibration_split(rows, config.calibration.validation_fraction, split)
     limit = config.calibration.num_samples if split == "calibration" else None
     return tokenize_rows(
-        load_rows(path, text_field=expert.data.text_field),
+        rows,
         tokenizer,
         task,
         max_length=config.calibration.max_length,
@@ -144,12 +150,8 @@ def calibrate_stage(
             collect_features(task, index, data, expert, merged_for_features, settings.layers, settings.batch_size)
         )
         _release(expert)
-    torch.manual_seed(settings.seed)
-    corrections = build_corrections(tasks, merged.config.hidden_size, settings).to(device)
-    result = calibrate_in_process(
-        features, corrections, settings, merged_model=None if features_only(settings.layers) else merged,
-        on_step=on_step,
-    )
+    result = train_corrections(features, settings, merged, on_step=on_step)
+    corrections = result.corrections
     path = save_corrections(
         config.run_dir / "corrections.safetensors",
         corrections.cpu(),
@@ -189,7 +191,7 @@ def headline_layer(layers: list) -> str | int:
 def evaluate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None
 ) -> dict[str, object]:
-    """Held-out bias and NLL per task, merged vs. corrected vs. expert."""
+    """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert."""
     settings = config.calibration
     device = resolve_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
@@ -205,10 +207,13 @@ def evaluate_stage(
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
     layer = headline_layer(settings.layers)
     results = {}
-    for index, task in enumerate(tasks):
+    for index, spec in enumerate(config.sources.experts):
+        task = spec.task
         data = tokenized(config, sources, task, "heldout", tokenizer)
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
         results[task] = evaluate_task(task, index, data, expert, merged, corrections, layer, settings.batch_size)
+        results[task] |= score_task(scorer_for(spec), sources.data[task].heldout, task, index, expert, merged,
+                                    corrections, tokenizer, layer, config.evaluation)
         _release(expert)
     return {"overall": overall(results), "tasks": results}
 

@@ -56,3 +56,24 @@ def plot_entropy_weights(weights: Mapping[str, Sequence[float]], path: Path) -> 
     ax.set_ylabel("tokens")
     ax.legend()
     return _save(fig, path)
+
+
+def plot_ablation_bias(methods: Mapping[str, Mapping[str, Mapping[str, object]]], path: Path) -> Path:
+    """A grid, merge methods × tasks: each variant's held-out bias per position bucket after its correction.
+
+    `methods[method][variant]` is a variant's evaluation ({"tasks": {task: result}}); the uncorrected
+    merged model's bias is the `merged` variant's line.
+    """
+    tasks = list(next(iter(next(iter(methods.values())).values()))["tasks"])
+    fig, axes = plt.subplots(len(methods), len(tasks), figsize=(4.2 * len(tasks), 3.4 * len(methods)), squeeze=False)
+    for row, (method, variants) in zip(axes, methods.items()):
+        for ax, task in zip(row, tasks):
+            for name, variant in variants.items():
+                series = variant["tasks"][task].get("bias_after_by_position") or {}
+                ax.plot(list(series), list(series.values()), "o-", markersize=3, label=name)
+            ax.set_title(f"{method}: {task}")
+            ax.set_xlabel("position bucket")
+            ax.tick_params(axis="x", rotation=45)
+        row[0].set_ylabel("mean |h_variant − h_expert|")
+    axes[0][0].legend()
+    return _save(fig, path)

@@ -1,0 +1,440 @@
+"""The ablation: merged, Surgery, +entropy weight, +position bias and DARTS on the same data and budget.
+
+In mergekit's shape: a config (the run's RunConfig, the merge methods to compare, the tuning
+budget) becomes a plan (`plan_ablation`: every variant's calibration settings), which
+`run_ablation` executes. Every expensive pass runs once: each expert over its calibration,
+validation and held-out sets once for all merge methods; each merged model over them once for
+all variants. Each variant then trains on those features and is evaluated from them.
+
+Tuning (`trials` > 0) is a random search on a validation split carved from the calibration data
+(`calibration.validation_fraction`), never on the held-out set: Surgery and DARTS get the same
+number of trials, paired so that trial i draws the same rank, steps and learning rate for both;
+DARTS also draws T and each task's β. Trial 0 is the config's own settings.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from darts_dist.calibrate import (
+    TaskFeatures,
+    collect_features,
+    collect_merged,
+    features_only,
+    model_dtype,
+    resolve_device,
+    train_corrections,
+)
+from darts_dist.config import CalibrationSection, RunConfig, TaskCalibration
+from darts_dist.core import DartsCorrections, save_corrections
+from darts_dist.data import TokenizedSet
+from darts_dist.errors import DartsError
+from darts_dist.evaluate import (
+    Outputs,
+    Reference,
+    TaskTally,
+    corrected_outputs,
+    format_value,
+    merged_outputs,
+    overall,
+    reference,
+)
+from darts_dist.features import LayerKey
+from darts_dist.generation import CorrectedLM
+from darts_dist.merge import merge_methods as known_merge_methods
+from darts_dist.models import load_causal_lm, load_tokenizer
+from darts_dist.pipeline import corrections_metadata, headline_layer, merge_stage, tokenized
+from darts_dist.plots import plot_ablation_bias
+from darts_dist.sources import ResolvedSources, resolve_sources
+from darts_dist.task_scores import Problem, Scorer, canonical_set, pass_rate, scorer_for
+from darts_dist.tracking import Tracking, log_config, log_evaluation
+
+logger = logging.getLogger(__name__)
+
+
+def _no_entropy(settings: CalibrationSection) -> CalibrationSection:
+    # Per-task overrides go too: they are where a per-task β lives.
+    return settings.model_copy(update={"beta": 0.0, "tasks": {}})
+
+
+def _no_position(settings: CalibrationSection) -> CalibrationSection:
+    return settings.model_copy(update={"position_bias": "none", "position_rank": None})
+
+
+def _with_position(settings: CalibrationSection) -> CalibrationSection:
+    return settings if settings.position_bias != "none" else settings.model_copy(update={"position_bias": "per_task"})
+
+
+# Each variant's calibration settings from DARTS's (the config's, or the tuned ones); None: no correction.
+VARIANTS: dict[str, Callable[[CalibrationSection], CalibrationSection | None]] = {
+    "merged": lambda settings: None,
+    "surgery": lambda settings: _no_position(_no_entropy(settings)),  # β = 0, no P: Representation Surgery
+    "entropy": _no_position,  # the entropy weight alone
+    "position": lambda settings: _with_position(_no_entropy(settings)),  # the position bias alone
+    "darts": lambda settings: settings,
+}
+DEFAULT_MERGE_METHODS = ("task_arithmetic", "ties")
+# What tuning maximises: the validation mean over tasks of one of the evaluation's results.
+SELECT_METRICS = ("nll_gap_closed", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction")
+SHARED_KNOBS = ("rank", "steps", "learning_rate")  # drawn alike for Surgery and DARTS; T and β: DARTS only
+
+
+def search_space(settings: CalibrationSection) -> dict[str, tuple]:
+    """The random search's values, around the config's own: its steps ×1, 2, 4 (a trial never trains less),
+    its learning rate ×0.3, 1, 3, T a quarter, half or all of the calibrated length."""
+    return {
+        "rank": (8, 16, 32, 64),
+        "steps": tuple(settings.steps * factor for factor in (1, 2, 4)),
+        "learning_rate": tuple(settings.learning_rate * factor for factor in (0.3, 1.0, 3.0)),
+        "max_positions": tuple(max(1, settings.max_length // part) for part in (4, 2, 1)),
+        "beta": (0.0, 0.25, 0.5, 1.0),
+    }
+
+
+@dataclass(frozen=True)
+class AblationPlan:
+    """What to run: the config, the merge methods (the first is the headline), each variant's settings
+    (before tuning), the number of tuning trials per method (0: none) and what tuning maximises."""
+
+    config: RunConfig
+    merge_methods: tuple[str, ...]
+    variants: dict[str, CalibrationSection | None]
+    trials: int = 0
+    select: str = "nll_gap_closed"
+
+
+def plan_ablation(
+    config: RunConfig,
+    merge_methods: Sequence[str] | None = None,
+    trials: int = 0,
+    validation_fraction: float | None = None,
+    select: str = "nll_gap_closed",
+) -> AblationPlan:
+    """Check the request and derive every variant's settings from the config's calibration section.
+
+    merge_methods default: the config's method, then task_arithmetic and TIES; with tuning the
+    validation fraction defaults to the config's, or 0.2 where the config holds none back.
+    """
+    methods = tuple(merge_methods) if merge_methods else tuple(dict.fromkeys((config.merge.method, *DEFAULT_MERGE_METHODS)))
+    if config.merge.mergekit_yaml is not None:
+        raise DartsError(f"the ablation merges with each of {list(methods)}, but merge.mergekit_yaml fixes one merge",
+                         "remove merge.mergekit_yaml and set merge.method / merge.parameters instead")
+    unknown = sorted(set(methods) - set(known_merge_methods()))
+    if unknown or len(set(methods)) != len(methods):
+        raise DartsError(f"merge methods {list(methods)}: unknown or repeated {unknown or 'names'}",
+                         f"name each once, from {list(known_merge_methods())}")
+    if trials < 0:
+        raise DartsError(f"the number of tuning trials must be 0 (no tuning) or more, got {trials}")
+    if select not in SELECT_METRICS:
+        raise DartsError(f"unknown tuning metric {select!r}", f"use one of {list(SELECT_METRICS)}")
+    settings = config.calibration
+    fraction = validation_fraction if validation_fraction is not None else settings.validation_fraction
+    if trials and fraction == 0:
+        fraction = 0.2
+    if not 0 <= fraction < 1 or (trials and fraction == 0):
+        raise DartsError(f"validation fraction {fraction}: tuning needs one in (0, 1)", "e.g. --validation-fraction 0.2")
+    settings = settings.model_copy(update={"validation_fraction": fraction})
+    config = config.model_copy(update={"calibration": settings})
+    return AblationPlan(config, methods, {name: make(settings) for name, make in VARIANTS.items()}, trials, select)
+
+
+def sweep_settings(
+    settings: CalibrationSection, tasks: Sequence[str], trials: int, seed: int = 0
+) -> list[tuple[CalibrationSection, CalibrationSection]]:
+    """(Surgery, DARTS) settings of each trial: the config's own first, then paired random draws."""
+    rng = random.Random(seed)
+    space = search_space(settings)
+    pairs = [(VARIANTS["surgery"](settings), settings)]
+    for _ in range(trials - 1):
+        shared = {key: rng.choice(space[key]) for key in SHARED_KNOBS}
+        betas = {t: (settings.tasks.get(t) or TaskCalibration()).model_copy(update={"beta": rng.choice(space["beta"])})
+                 for t in tasks}
+        darts = settings.model_copy(update={**shared, "max_positions": rng.choice(space["max_positions"]),
+                                            "tasks": betas})
+        pairs.append((VARIANTS["surgery"](darts), darts))
+    return pairs
+
+
+# --- execution --------------------------------------------------------------------------------
+
+
+@dataclass
+class ExpertSide:
+    """One task and everything its expert contributes, computed once for every merge method."""
+
+    task: str
+    index: int
+    calibration: TokenizedSet
+    features: TaskFeatures  # calibration: the expert's targets and entropy (no merged states)
+    heldout: list[Reference]
+    validation: list[Reference]  # empty without tuning
+    scorer: Scorer | None
+    problems: list[Problem]
+    canonical: list[Reference]  # the reference answers' batches (scorers with canonical NLL)
+    score: float | None  # the expert's own task score
+
+
+@dataclass
+class MergedSide:
+    """One merged model's outputs on one task's sets, computed once for every variant."""
+
+    features: TaskFeatures  # with the merged model's states in feature mode
+    heldout: list[Outputs]
+    validation: list[Outputs]
+    canonical: list[Outputs]
+    score: float | None
+
+
+@dataclass
+class _Context:
+    config: RunConfig
+    sources: ResolvedSources
+    tokenizer: PreTrainedTokenizerBase
+    layer: LayerKey
+    device: torch.device
+    dtype: torch.dtype
+    progress: bool
+
+
+def _references(expert: PreTrainedModel, data: TokenizedSet | None, ctx: _Context) -> list[Reference]:
+    if data is None:
+        return []
+    return [reference(expert, batch, ctx.layer) for batch in data.batches(ctx.config.calibration.batch_size)]
+
+
+def _score(lm: CorrectedLM, task: str | None, side: ExpertSide, ctx: _Context) -> float | None:
+    if side.scorer is None or not side.problems:
+        return None
+    return pass_rate(lm, task, side.problems, side.scorer, ctx.config.evaluation)
+
+
+def expert_side(index: int, ctx: _Context, tune: bool) -> ExpertSide:
+    """Load task `index`'s expert, run it over every set once, and let it go."""
+    config = ctx.config
+    spec = config.sources.experts[index]
+    task, settings, limit = spec.task, config.calibration, config.evaluation.score_limit
+    scorer = scorer_for(spec) if limit != 0 else None
+    problems = [] if scorer is None else scorer.problems(ctx.sources.data[task].heldout, limit)
+    expert = load_causal_lm(ctx.sources.experts[task], dtype=ctx.dtype, device=ctx.device)
+    data = tokenized(config, ctx.sources, task, "calibration", ctx.tokenizer)
+    side = ExpertSide(
+        task=task,
+        index=index,
+        calibration=data,
+        features=collect_features(task, index, data, expert, None, settings.layers, settings.batch_size, ctx.progress),
+        heldout=_references(expert, tokenized(config, ctx.sources, task, "heldout", ctx.tokenizer), ctx),
+        validation=_references(expert, tokenized(config, ctx.sources, task, "validation", ctx.tokenizer) if tune
+                               else None, ctx),
+        scorer=scorer,
+        problems=problems,
+        canonical=_references(expert, canonical_set(problems, ctx.tokenizer, task)
+                              if scorer is not None and scorer.canonical_nll and problems else None, ctx),
+        score=None,
+    )
+    with CorrectedLM(expert, ctx.tokenizer) as lm:
+        side.score = _score(lm, None, side, ctx)
+    del expert
+    gc.collect()
+    return side
+
+
+def merged_side(merged: PreTrainedModel, side: ExpertSide, ctx: _Context) -> MergedSide:
+    """The merged model over one task's sets (and its calibration states in feature mode)."""
+    settings = ctx.config.calibration
+    features = side.features
+    if features_only(settings.layers):
+        features = replace(features, merged=collect_merged(side.task, side.calibration, merged, settings.layers,
+                                                           settings.batch_size, ctx.progress))
+    outputs = {name: [merged_outputs(merged, ref, ctx.layer) for ref in getattr(side, name)]
+               for name in ("heldout", "validation", "canonical")}
+    with CorrectedLM(merged, ctx.tokenizer) as lm:
+        score = _score(lm, None, side, ctx)
+    return MergedSide(features=features, score=score, **outputs)
+
+
+def _tally(
+    refs: Sequence[Reference], plains: Sequence[Outputs], merged: PreTrainedModel,
+    corrections: DartsCorrections | None, side: ExpertSide, layer: LayerKey,
+) -> dict[str, object]:
+    """The evaluation's results on one set; without corrections the 'corrected' model is the merged one."""
+    tally = TaskTally()
+    for ref, plain in zip(refs, plains):
+        fixed = plain if corrections is None else corrected_outputs(merged, ref, plain, corrections, side.index, layer)
+        tally.add(ref, plain, fixed)
+    return tally.result(side.task, layer)
+
+
+def evaluate_variant(
+    merged: PreTrainedModel,
+    corrections: DartsCorrections | None,
+    sides: Sequence[tuple[ExpertSide, MergedSide]],
+    ctx: _Context,
+    split: str = "heldout",
+) -> dict[str, object]:
+    """{"overall", "tasks"} of one variant on the held-out (or validation) split; held-out adds task scores."""
+    tasks = {}
+    for side, plain in sides:
+        result = _tally(getattr(side, split), getattr(plain, split), merged, corrections, side, ctx.layer)
+        if split == "heldout" and side.scorer is not None and side.problems:
+            result |= {"score_name": side.scorer.name, "score_metric": side.scorer.metric,
+                       "score_n": len(side.problems), "score_expert": side.score, "score_merged": plain.score}
+            if corrections is None:
+                result["score_corrected"] = plain.score
+            else:
+                with CorrectedLM(merged, ctx.tokenizer, corrections) as lm:
+                    result["score_corrected"] = _score(lm, side.task, side, ctx)
+            if side.canonical:
+                canonical = _tally(side.canonical, plain.canonical, merged, corrections, side, ctx.layer)
+                result |= {f"canonical_{k}": canonical[k] for k in ("nll_expert", "nll_merged", "nll_corrected")}
+        tasks[side.task] = result
+    return {"overall": overall(tasks), "tasks": tasks}
+
+
+def tune(
+    plan: AblationPlan, merged: PreTrainedModel, sides: Sequence[tuple[ExpertSide, MergedSide]], ctx: _Context
+) -> tuple[dict[str, CalibrationSection | None], list[dict[str, object]]]:
+    """The random search on the validation split: each trial's results, and the variants built from the winners."""
+    settings = plan.config.calibration
+    trials = []
+    best: dict[str, tuple[float, CalibrationSection]] = {}
+    for number, pair in enumerate(sweep_settings(settings, plan.config.tasks, plan.trials, seed=settings.seed)):
+        for name, trial in zip(("surgery", "darts"), pair):
+            result = train_corrections([p.features for _, p in sides], trial, merged, progress=False)
+            validation = evaluate_variant(merged, result.corrections, sides, ctx, split="validation")
+            value = validation["overall"][plan.select]
+            value = float("-inf") if value is None else value
+            trials.append({"trial": number, "variant": name, "settings": _knobs(trial), plan.select: value,
+                           "overall": validation["overall"],
+                           "tasks": {t: {k: r.get(k) for k in SELECT_METRICS} for t, r in validation["tasks"].items()}})
+            logger.info("tune %s trial %d: validation %s %s (%s)", name, number, plan.select,
+                        format_value(plan.select, value), _knobs(trial))
+            if name not in best or value > best[name][0]:
+                best[name] = (value, trial)
+    variants = {name: make(best["darts"][1]) for name, make in VARIANTS.items()}
+    variants["surgery"] = best["surgery"][1]
+    return variants, trials
+
+
+def _knobs(settings: CalibrationSection) -> dict[str, object]:
+    """The settings a trial varies, for the report."""
+    return {
+        "rank": settings.rank, "steps": settings.steps, "learning_rate": settings.learning_rate,
+        "max_positions": settings.max_positions, "position_bias": settings.position_bias,
+        "beta": {t: settings.beta_for(t) for t in settings.tasks} or settings.beta,
+    }
+
+
+def _merge_config(config: RunConfig, method: str) -> RunConfig:
+    merge = config.merge.model_copy(update={"method": method, "output": config.run_dir / "ablation" / method / "merged"})
+    return config.model_copy(update={"merge": merge})
+
+
+def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress: bool = True) -> dict[str, object]:
+    """Execute the plan: the report's `variants` are the first merge method's, `merge_methods` holds them all."""
+    started = time.perf_counter()
+    config = plan.config
+    settings = config.calibration
+    if tracking is not None:
+        log_config(tracking, config)
+    device = resolve_device(settings.device)
+    sources = resolve_sources(config)
+    ctx = _Context(config, sources, load_tokenizer(sources.base), headline_layer(settings.layers), device,
+                   model_dtype(settings.dtype, device), progress)
+    experts = [expert_side(index, ctx, tune=plan.trials > 0) for index in range(len(config.tasks))]
+    methods: dict[str, dict[str, object]] = {}
+    for method in plan.merge_methods:
+        merged_dir = merge_stage(_merge_config(config, method), sources)
+        merged = load_causal_lm(merged_dir, dtype=ctx.dtype, device=device)
+        sides = [(side, merged_side(merged, side, ctx)) for side in experts]
+        variants, trials = plan.variants, None
+        if plan.trials:
+            variants, trials = tune(plan, merged, sides, ctx)
+        results = {}
+        for name, variant in variants.items():
+            results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking)
+        methods[method] = {"merged": str(merged_dir), "variants": results, **({"tuning": trials} if trials else {})}
+        del merged, sides
+        gc.collect()
+    plot = plot_ablation_bias({m: r["variants"] for m, r in methods.items()},
+                              config.run_dir / "plots" / "ablation_bias_by_position.png")
+    report = {
+        "config": config.model_dump(mode="json"),
+        "run_dir": str(config.run_dir),
+        "headline_merge_method": plan.merge_methods[0],
+        "variants": methods[plan.merge_methods[0]]["variants"],
+        "merge_methods": methods,
+        "tuning": {"trials": plan.trials, "select": plan.select,
+                   "validation_fraction": settings.validation_fraction} if plan.trials else None,
+        "plots": {"ablation_bias_by_position": str(plot)},
+        "seconds": time.perf_counter() - started,
+    }
+    if tracking is not None:
+        tracking.log_file(tracking.run_id, plot, "plots")
+        report["tracking"] = {"uri": tracking.uri, "experiment_id": tracking.experiment_id,
+                              "run_id": tracking.run_id, "stage_runs": tracking.stages}
+    return report
+
+
+def _run_variant(
+    name: str, settings: CalibrationSection | None, method: str, merged: PreTrainedModel, merged_dir: Path,
+    sides: Sequence[tuple[ExpertSide, MergedSide]], ctx: _Context, tracking: Tracking | None,
+) -> dict[str, object]:
+    """Train one variant (none for `merged`), save its corrections, evaluate it on held-out data, log it."""
+    corrections = calibration = path = None
+    if settings is not None:
+        result = train_corrections([p.features for _, p in sides], settings, merged, progress=ctx.progress)
+        corrections = result.corrections
+        path = save_corrections(ctx.config.run_dir / "ablation" / method / f"{name}.safetensors",
+                                corrections.cpu(), metadata=corrections_metadata(merged_dir))
+        corrections = corrections.to(ctx.device)
+        calibration = {"first_loss": result.losses[0], "final_loss": result.losses[-1], "train_seconds": result.seconds}
+    evaluation = evaluate_variant(merged, corrections, sides, ctx)
+    summary = {
+        "settings": None if settings is None else settings.model_dump(mode="json"),
+        "corrections": None if path is None else str(path),
+        "calibration": calibration,
+        **evaluation,
+    }
+    if tracking is not None:
+        run_id = tracking.start_stage(f"ablation/{method}/{name}", {"darts.merge_method": method, "darts.variant": name})
+        tracking.log_params(run_id, {"merge_method": method, "variant": name,
+                                     "calibration": summary["settings"] or "none"})
+        if calibration is not None:
+            tracking.log_metrics(run_id, calibration)
+        log_evaluation(tracking, run_id, evaluation, {})
+    return summary
+
+
+# --- tables -------------------------------------------------------------------------------------
+
+OVERALL_COLUMNS = {
+    "bias_reduction": "bias reduction",
+    "weighted_bias_reduction": "entropy-weighted",
+    "late_bias_reduction": "late (t>=64)",
+    "nll_corrected": "NLL",
+    "nll_gap_closed": "NLL gap closed",
+}
+TASK_COLUMNS = {**OVERALL_COLUMNS, "score_corrected": "score", "canonical_nll_corrected": "solution NLL"}
+
+
+def ablation_tables(report: Mapping[str, object]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, headers, rows) of the overall table and the per-task one, for every merge method and variant."""
+    overall_rows, task_rows = [], []
+    for method, result in report["merge_methods"].items():
+        for name, variant in result["variants"].items():
+            overall_rows.append([method, name, *(format_value(k, variant["overall"].get(k)) for k in OVERALL_COLUMNS)])
+            for task, values in variant["tasks"].items():
+                task_rows.append([method, name, task, *(format_value(k, values.get(k)) for k in TASK_COLUMNS)])
+    return [
+        ("ablation, held-out, mean over tasks", ["merge", "variant", *OVERALL_COLUMNS.values()], overall_rows),
+        ("ablation, held-out, per task", ["merge", "variant", "task", *TASK_COLUMNS.values()], task_rows),
+    ]

@@ -1,0 +1,143 @@
+"""The ablation: variants differ only in what they claim, tuning stays on validation data, `ablate` reports it all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from darts_dist.ablation import SHARED_KNOBS, VARIANTS, plan_ablation, search_space, sweep_settings
+from darts_dist.calibrate import build_corrections
+from darts_dist.cli import main
+from darts_dist.config import parse_config
+from darts_dist.data import calibration_split, load_rows
+from darts_dist.errors import DartsError
+from darts_dist.sources import demo_data
+
+TASKS = ("code", "math")
+# What each variant may change relative to DARTS (the config's settings), and nothing else.
+CLAIMS = {"beta", "tasks", "position_bias", "position_rank"}
+
+
+def _config(calibration: dict | None = None, **top: object):
+    return parse_config({
+        "sources": {"base": "b", "experts": [{"task": t, "path": t, "data": {"calibration": "c"}} for t in TASKS]},
+        "calibration": {"beta": 0.7, "tasks": {"math": {"beta": 0.3, "weight_on": "response"}},
+                        "position_bias": "per_task", "position_rank": 4, **(calibration or {})},
+        **top,
+    })
+
+
+def test_variants_differ_only_in_what_they_claim() -> None:
+    plan = plan_ablation(_config())
+    darts = plan.variants["darts"]
+    assert list(plan.variants) == ["merged", "surgery", "entropy", "position", "darts"]
+    assert plan.variants["merged"] is None  # no correction at all
+    assert darts == plan.config.calibration
+    expected = {  # (β of code, β of math, position bias)
+        "surgery": (0.0, 0.0, "none"),
+        "entropy": (0.7, 0.3, "none"),
+        "position": (0.0, 0.0, "per_task"),
+        "darts": (0.7, 0.3, "per_task"),
+    }
+    for name, (beta_code, beta_math, position) in expected.items():
+        settings = plan.variants[name]
+        assert (settings.beta_for("code"), settings.beta_for("math"), settings.position_bias) == (
+            beta_code, beta_math, position), name
+        changed = {k for k, v in settings.model_dump().items() if v != darts.model_dump()[k]}
+        assert changed <= CLAIMS, (name, changed)
+        spec = build_corrections(TASKS, 32, settings).spec
+        assert spec.position_tables == (0 if position == "none" else 2)
+        assert (spec.rank, spec.max_positions) == (darts.rank, darts.max_positions)  # same budget
+    # A config without a position bias still gets one in the `position` variant.
+    no_bias = plan_ablation(_config({"position_bias": "none", "position_rank": None}))
+    assert no_bias.variants["position"].position_bias == "per_task"
+
+
+def test_plan_refuses_bad_requests() -> None:
+    with pytest.raises(DartsError, match="unknown or repeated"):
+        plan_ablation(_config(), ["task_arithmetic", "no_such_merge"])
+    with pytest.raises(DartsError, match="unknown or repeated"):
+        plan_ablation(_config(), ["ties", "ties"])
+    with pytest.raises(DartsError, match="mergekit_yaml"):
+        plan_ablation(_config(merge={"mergekit_yaml": "m.yml"}))
+    with pytest.raises(DartsError, match="tuning metric"):
+        plan_ablation(_config(), select="loss")
+    assert plan_ablation(_config()).merge_methods == ("task_arithmetic", "ties")
+    assert plan_ablation(_config(merge={"method": "ties"})).merge_methods == ("ties", "task_arithmetic")
+    # Tuning holds validation data back: the config's fraction, else 0.2.
+    assert plan_ablation(_config(), trials=3).config.calibration.validation_fraction == 0.2
+    assert plan_ablation(_config(), trials=0).config.calibration.validation_fraction == 0.0
+
+
+def test_sweep_pairs_surgery_and_darts_trials() -> None:
+    settings = plan_ablation(_config()).variants["darts"]
+    pairs = sweep_settings(settings, TASKS, trials=6, seed=1)
+    assert len(pairs) == 6 and pairs[0] == (VARIANTS["surgery"](settings), settings)
+    for surgery, darts in pairs:
+        for key in SHARED_KNOBS:  # the same draw for both
+            assert getattr(surgery, key) == getattr(darts, key)
+        assert surgery == VARIANTS["surgery"](darts)  # Surgery: the DARTS trial without β and P
+    for _, darts in pairs[1:]:
+        assert darts.steps >= settings.steps and darts.max_positions in search_space(settings)["max_positions"]
+    assert len({(d.rank, d.steps, d.learning_rate, d.max_positions) for _, d in pairs}) > 1
+
+
+def test_validation_rows_are_held_back_from_calibration() -> None:
+    rows = load_rows(demo_data()["math"]["calibration"])
+    train, validation = (calibration_split(rows, 0.25, split) for split in ("calibration", "validation"))
+    assert len(validation) == round(0.25 * len(rows)) and len(train) + len(validation) == len(rows)
+    assert not {json.dumps(r) for r in train["messages"]} & {json.dumps(r) for r in validation["messages"]}
+    assert list(calibration_split(rows, 0.0, "calibration")["messages"]) == list(train["messages"]) + list(validation["messages"])
+    with pytest.raises(DartsError, match="validation_fraction is 0"):
+        calibration_split(rows, 0.0, "validation")
+
+
+def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
+    config = {
+        "name": "abl",
+        "output_dir": str(tmp_path / "runs"),
+        "sources": {
+            "base": str(tiny_family.base),
+            "experts": [{"task": t, "path": str(tiny_family.experts[t]),
+                         "data": {"calibration": f"demo:{t}", "heldout": f"demo:{t}"}} for t in TASKS],
+        },
+        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
+        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 12, "max_length": 24, "steps": 8,
+                        "batch_size": 4, "learning_rate": 0.01},
+        "evaluation": {"score_limit": 1, "max_new_tokens": 4},
+    }
+    path = tmp_path / "abl.yaml"
+    path.write_text(yaml.safe_dump(config))
+    report_path = tmp_path / "ablation.json"
+    assert main(["ablate", str(path), "--merge-methods", "task_arithmetic,ties", "--tune", "2",
+                 "--report", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert list(report["merge_methods"]) == ["task_arithmetic", "ties"]
+    assert report["variants"] == report["merge_methods"]["task_arithmetic"]["variants"]
+    keys = {"bias_reduction", "weighted_bias_reduction", "late_bias_reduction", "nll_gap_closed"}
+    for method in report["merge_methods"].values():
+        assert list(method["variants"]) == ["merged", "surgery", "entropy", "position", "darts"]
+        for name, variant in method["variants"].items():
+            assert keys <= set(variant["overall"])
+            assert set(variant["tasks"]) == set(TASKS)
+            for task in variant["tasks"].values():
+                assert keys | {"score_expert", "score_merged", "score_corrected", "score_n"} <= set(task)
+            if name == "merged":
+                assert variant["corrections"] is None and variant["overall"]["bias_reduction"] == 0.0
+            else:
+                assert Path(variant["corrections"]).is_file() and variant["overall"]["bias_reduction"] > 0
+        assert variant["tasks"]["code"]["score_name"] == "humaneval" and "canonical_nll_corrected" in variant["tasks"]["code"]
+        # Tuning: paired trials of Surgery and DARTS, scored on the validation split.
+        assert [(t["trial"], t["variant"]) for t in method["tuning"]] == [
+            (0, "surgery"), (0, "darts"), (1, "surgery"), (1, "darts")]
+    assert report["tuning"]["validation_fraction"] == 0.2
+    assert Path(report["plots"]["ablation_bias_by_position"]).read_bytes().startswith(b"\x89PNG")
+    runs = report["tracking"]["stage_runs"]
+    assert "ablation/ties/darts" in runs
+    metrics = MlflowClient(report["tracking"]["uri"]).get_run(runs["ablation/ties/darts"]).data.metrics
+    assert metrics["eval.overall.bias_reduction"] == pytest.approx(
+        report["merge_methods"]["ties"]["variants"]["darts"]["overall"]["bias_reduction"])

@@ -1,0 +1,168 @@
+"""Task scores: the checks on known strings, the HumanEval sandbox, and score_task against a direct computation."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from darts_dist.config import EvaluationSection, ExpertSpec
+from darts_dist.core import CorrectionSpec, DartsCorrections, attach_corrections
+from darts_dist.errors import DartsError
+from darts_dist.generation import CorrectedLM
+from darts_dist.models import load_causal_lm
+from darts_dist.sources import demo_data
+from darts_dist.task_scores import (
+    SCORERS,
+    Problem,
+    answered_problems,
+    humaneval_problems,
+    humaneval_program,
+    run_sandboxed,
+    score_task,
+    scorer_for,
+)
+from darts_dist.tiny import build_tiny_tokenizer
+
+
+def test_math_and_instruct_checks_on_known_strings() -> None:
+    math, instruct = SCORERS["math_exact"], SCORERS["instruct_exact"]
+    problem = Problem(id="m", answer="1200")
+    assert math.passed(problem, "3*400 = <<3*400=1200>>1,200 apples.\n#### 1,200", 1.0)
+    assert math.passed(problem, "So the answer is 1200.0", 1.0)  # no ####: the last number
+    assert not math.passed(problem, "#### 1201", 1.0)
+    assert not math.passed(problem, "I do not know", 1.0)
+    assert not math.passed(Problem(id="m", answer="none"), "none", 1.0)  # an answer without a number never passes
+    assert instruct.passed(Problem(id="i", answer="b a"), "  b a\n", 1.0)
+    assert not instruct.passed(Problem(id="i", answer="b a"), "b  a", 1.0)
+
+
+def test_humaneval_problems_come_from_the_installed_wheel() -> None:
+    problems = humaneval_problems()
+    assert len(problems) == 164 and problems[0].id == "HumanEval/0"
+    assert [p.id for p in humaneval_problems(3)] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert all(p.prompt and p.answer and p.test and p.entry_point for p in problems)
+
+
+def test_sandbox_passes_a_solution_fails_a_wrong_one_and_stops_a_loop() -> None:
+    problem = humaneval_problems(1)[0]
+    assert run_sandboxed(humaneval_program(problem, problem.answer), timeout=10.0).passed
+    wrong = run_sandboxed(humaneval_program(problem, "    return False\n"), timeout=10.0)
+    assert not wrong.passed and wrong.status == "failed: AssertionError"
+    started = time.perf_counter()
+    looping = run_sandboxed(humaneval_program(problem, "    while True:\n        pass\n"), timeout=1.0)
+    assert looping.status == "timed out" and time.perf_counter() - started < 10
+    # Isolated: a fresh empty folder as cwd, no environment variables (LC_CTYPE is Python's own coercion).
+    probe = "import os, sys\nassert os.listdir('.') == ['check.py'], os.listdir('.')\n" \
+            "assert set(os.environ) <= {'LC_CTYPE'}, dict(os.environ)\nassert sys.flags.isolated\n"
+    assert run_sandboxed(probe, timeout=10.0).passed
+
+
+def test_scorer_follows_the_config_and_defaults_for_demo_tasks() -> None:
+    def expert(task: str, heldout: str, **data: str) -> ExpertSpec:
+        return ExpertSpec(task=task, path="x", data={"calibration": heldout, "heldout": heldout, **data})
+
+    assert scorer_for(expert("code", "demo:code")).name == "humaneval"
+    assert scorer_for(expert("math", "demo:math")).name == "math_exact"
+    assert scorer_for(expert("anything", "demo:instruct")).name == "instruct_exact"  # follows the data
+    assert scorer_for(expert("math", "mine.jsonl")) is None
+    assert scorer_for(expert("math", "demo:math", scorer="none")) is None
+    assert scorer_for(expert("q", "mine.jsonl", scorer="math_exact")).name == "math_exact"
+
+
+def test_answered_problems_need_an_answer_column(tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "2+2?", "response": "4"}) + "\n")
+    with pytest.raises(DartsError, match="answer"):
+        answered_problems(rows, None)
+    rows.write_text("".join(json.dumps({"prompt": f"{i}+1?", "response": "?", "answer": str(i + 1)}) + "\n"
+                            for i in range(5)))
+    problems = answered_problems(rows, 3)
+    assert [p.answer for p in problems] == ["1", "2", "3"]
+    assert problems[0].messages == ({"role": "user", "content": "0+1?"},)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_family):
+    """Expert, merged model, and corrections whose greedy output is known: the instruct correction's
+    position bias points every hidden state at one token's output embedding, so that token always wins."""
+    expert, merged = load_causal_lm(tiny_family.experts["instruct"]), load_causal_lm(tiny_family.base)
+    tokenizer = build_tiny_tokenizer()
+    head = merged.get_output_embeddings().weight.detach()
+    norms = head.norm(dim=1)
+    norms[tokenizer.all_special_ids] = 0  # an end-of-turn token would end the answer at once
+    token = int(norms.argmax())  # the longest row wins the dot product with itself
+    torch.manual_seed(0)
+    corrections = DartsCorrections(CorrectionSpec(("code", "instruct"), 64, rank=4, max_positions=32), ["final"])
+    with torch.no_grad():
+        corrections["final"].up[0] = torch.randn_like(corrections["final"].up[0])  # code: a random, real change
+        corrections["final"].position[1] = 100 * head[token] / head[token].norm()
+    return expert, merged, corrections, token
+
+
+def test_generated_scores_equal_a_direct_computation(models) -> None:
+    """Exact-reply scores of expert, merged and corrected, against answers made from known greedy outputs."""
+    expert, merged, corrections, token = models
+    tokenizer = build_tiny_tokenizer()
+    problems = answered_problems(demo_data()["instruct"]["heldout"], 6)
+    conversations = [list(p.messages) for p in problems]
+    settings = EvaluationSection(score_limit=6, max_new_tokens=6, generation_batch_size=6)
+    # The same batch as the scorer's, so padding cannot change a greedy token.
+    with CorrectedLM(merged, tokenizer, corrections) as lm:
+        corrected = [c.text for c in lm.chat(conversations, tasks=["instruct"] * 6, max_new_tokens=6)]
+        plain = [c.text for c in lm.chat(conversations, max_new_tokens=6)]
+    with CorrectedLM(expert, tokenizer) as lm:
+        own = [c.text for c in lm.chat(conversations, max_new_tokens=6)]
+    assert corrected == [tokenizer.decode([token] * 6)] * 6  # the correction applies while generating
+    # Answers: the corrected model's own replies for the first four, something it did not say for the rest.
+    known = [replace(p, answer=text if i < 4 else text + " nope") for i, (p, text) in enumerate(zip(problems, corrected))]
+    scorer = replace(SCORERS["instruct_exact"], problems=lambda heldout, limit: known)
+    result = score_task(scorer, None, "instruct", 1, expert, merged, corrections, tokenizer, "final", settings)
+
+    def share(texts):
+        return sum(t.strip() == p.answer.strip() for t, p in zip(texts, known)) / len(known)
+
+    assert result["score_name"] == "instruct_exact" and result["score_n"] == 6
+    assert result["score_corrected"] == pytest.approx(4 / 6)
+    assert result["score_merged"] == pytest.approx(share(plain))
+    assert result["score_expert"] == pytest.approx(share(own))
+    assert "canonical_nll_expert" not in result  # only scorers with reference solutions
+    assert score_task(scorer, None, "instruct", 1, expert, merged, corrections, tokenizer, "final",
+                      EvaluationSection(score_limit=0)) == {}
+
+
+def test_humaneval_solution_nll_equals_a_direct_computation(models) -> None:
+    expert, merged, corrections, _ = models
+    tokenizer = build_tiny_tokenizer()
+    problems = humaneval_problems(2)
+    scorer = replace(SCORERS["humaneval"], problems=lambda heldout, limit: problems)
+    settings = EvaluationSection(score_limit=2, max_new_tokens=4)
+    result = score_task(scorer, None, "code", 0, expert, merged, corrections, tokenizer, "final", settings)
+    assert result["score_name"] == "humaneval" and result["score_metric"] == "pass@1" and result["score_n"] == 2
+    assert {result["score_expert"], result["score_merged"], result["score_corrected"]} <= {0.0, 0.5, 1.0}
+
+    def solution_nll(model, task_ids=None) -> float:
+        total, count = 0.0, 0
+        for problem in problems:
+            prompt = tokenizer(problem.prompt)["input_ids"]
+            ids = torch.tensor([prompt + tokenizer(problem.answer, add_special_tokens=False)["input_ids"]])
+            with torch.no_grad():
+                if task_ids is None:
+                    logits = model(input_ids=ids).logits
+                else:
+                    with attach_corrections(model, corrections) as handle:
+                        handle.set_tasks(task_ids)
+                        logits = model(input_ids=ids).logits
+            nll = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")[len(prompt) - 1:]
+            total, count = total + float(nll.sum()), count + nll.numel()
+        return total / count
+
+    assert result["canonical_nll_expert"] == pytest.approx(solution_nll(expert), rel=1e-4)
+    assert result["canonical_nll_merged"] == pytest.approx(solution_nll(merged), rel=1e-4)
+    assert result["canonical_nll_corrected"] == pytest.approx(solution_nll(merged, [0]), rel=1e-4)
+    assert result["canonical_nll_corrected"] != pytest.approx(result["canonical_nll_merged"], rel=1e-4)
