@@ -55,7 +55,15 @@ from darts_dist.models import load_causal_lm, load_tokenizer
 from darts_dist.pipeline import corrections_metadata, headline_layer, merge_stage, tokenized
 from darts_dist.plots import plot_ablation_bias
 from darts_dist.sources import ResolvedSources, resolve_sources
-from darts_dist.task_scores import Problem, Scorer, canonical_set, pass_rate, scorer_for
+from darts_dist.task_scores import (
+    Problem,
+    Scorer,
+    canonical_fields,
+    canonical_set,
+    pass_rate,
+    score_fields,
+    scorer_for,
+)
 from darts_dist.tracking import Tracking, log_config, log_evaluation
 
 logger = logging.getLogger(__name__)
@@ -285,16 +293,13 @@ def evaluate_variant(
     for side, plain in sides:
         result = _tally(getattr(side, split), getattr(plain, split), merged, corrections, side, ctx.layer)
         if split == "heldout" and side.scorer is not None and side.problems:
-            result |= {"score_name": side.scorer.name, "score_metric": side.scorer.metric,
-                       "score_n": len(side.problems), "score_expert": side.score, "score_merged": plain.score}
-            if corrections is None:
-                result["score_corrected"] = plain.score
-            else:
+            corrected = plain.score  # without corrections, the merged model is the 'corrected' one
+            if corrections is not None:
                 with CorrectedLM(merged, ctx.tokenizer, corrections) as lm:
-                    result["score_corrected"] = _score(lm, side.task, side, ctx)
+                    corrected = _score(lm, side.task, side, ctx)
+            result |= score_fields(side.scorer, len(side.problems), side.score, plain.score, corrected)
             if side.canonical:
-                canonical = _tally(side.canonical, plain.canonical, merged, corrections, side, ctx.layer)
-                result |= {f"canonical_{k}": canonical[k] for k in ("nll_expert", "nll_merged", "nll_corrected")}
+                result |= canonical_fields(_tally(side.canonical, plain.canonical, merged, corrections, side, ctx.layer))
         tasks[side.task] = result
     return {"overall": overall(tasks), "tasks": tasks}
 

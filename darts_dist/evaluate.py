@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -134,8 +135,12 @@ def corrected_outputs(
     weights[:, task_index] = 1.0
     if features_only(corrections.layer_keys) and layer == "final":
         hidden = corrections["final"](plain.hidden, ref.positions, weights)
-        logits = merged.get_output_embeddings()(hidden.to(_device(merged)))
-        return _outputs(logits, hidden, ref)
+        # lm_head only where a prediction counts (not on padding or chat prompts): it is most of the cost.
+        counted = ref.nll_mask
+        logits = merged.get_output_embeddings()(hidden[:, :-1][counted].to(_device(merged)))
+        nll = torch.zeros(counted.shape, device=logits.device)
+        nll[counted] = F.cross_entropy(logits.float(), ref.input_ids[:, 1:][counted], reduction="none")
+        return Outputs(hidden=hidden.float(), nll=nll)
     with attach_corrections(merged, corrections) as handle, capture_hidden(merged, [layer]) as hidden:
         handle.set_task_weights(weights)
         logits = merged(input_ids=ref.input_ids, attention_mask=ref.attention_mask).logits

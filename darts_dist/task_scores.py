@@ -245,6 +245,21 @@ def canonical_set(problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBas
                         has_boundary=True, truncated=torch.zeros(len(encoded), dtype=torch.bool))
 
 
+def score_fields(
+    scorer: Scorer, count: int, expert: float | None, merged: float | None, corrected: float | None
+) -> dict[str, object]:
+    """A task's score entries in the evaluation: which scorer, on how many problems, and each model's score."""
+    fields = {"score_name": scorer.name, "score_metric": scorer.metric, "score_n": count,
+              "score_expert": expert, "score_merged": merged}
+    return fields if corrected is None else fields | {"score_corrected": corrected}
+
+
+def canonical_fields(evaluation: Mapping[str, object]) -> dict[str, object]:
+    """canonical_nll_*: an evaluation's NLLs on the reference solutions."""
+    return {f"canonical_{key}": evaluation[key] for key in ("nll_expert", "nll_merged", "nll_corrected")
+            if key in evaluation}
+
+
 def score_task(
     scorer: Scorer | None,
     heldout: Path | None,
@@ -263,15 +278,14 @@ def score_task(
     if scorer is None or settings.score_limit == 0:
         return {}
     problems = scorer.problems(heldout, settings.score_limit)
-    result: dict[str, object] = {"score_name": scorer.name, "score_metric": scorer.metric, "score_n": len(problems)}
     with CorrectedLM(expert, tokenizer) as lm:
-        result["score_expert"] = pass_rate(lm, None, problems, scorer, settings)
+        expert_score = pass_rate(lm, None, problems, scorer, settings)
     with CorrectedLM(merged, tokenizer, corrections) as lm:
-        result["score_merged"] = pass_rate(lm, None, problems, scorer, settings)
-        if corrections is not None:
-            result["score_corrected"] = pass_rate(lm, task, problems, scorer, settings)
+        merged_score = pass_rate(lm, None, problems, scorer, settings)
+        corrected_score = None if corrections is None else pass_rate(lm, task, problems, scorer, settings)
+    result = score_fields(scorer, len(problems), expert_score, merged_score, corrected_score)
     if scorer.canonical_nll:
-        nll = evaluate_task(task, task_index, canonical_set(problems, tokenizer, task), expert, merged, corrections,
-                            layer, settings.generation_batch_size, progress=False)
-        result.update({f"canonical_{key}": nll[key] for key in ("nll_expert", "nll_merged", "nll_corrected") if key in nll})
+        result |= canonical_fields(evaluate_task(task, task_index, canonical_set(problems, tokenizer, task), expert,
+                                                 merged, corrections, layer, settings.generation_batch_size,
+                                                 progress=False))
     return result
