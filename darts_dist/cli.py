@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -253,6 +254,16 @@ def cmd_register(args: argparse.Namespace) -> None:
                 args.report, args.report)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from darts_dist.serve import API_KEY_ENV, run_foreground
+    from darts_dist.served import resolve_model, serve_settings
+
+    source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
+                                   router=args.router, name=args.name)
+    settings = serve_settings(config, args.config, host=args.host, port=args.port)
+    run_foreground(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None, say=console.print)
+
+
 REPORT_NAMES = ("report.json", "calibration.json")
 
 
@@ -307,6 +318,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = command("validate", "check a darts-dist or mergekit YAML without doing any work", cmd_validate)
     validate.add_argument("config", type=Path)
+
+    serve = command("serve", "serve a model behind an OpenAI-compatible API (Ray Serve) until Ctrl-C", cmd_serve)
+    serve.add_argument("model", metavar="MODEL_URI",
+                       help="models:/NAME@ALIAS, models:/NAME/VERSION, a run folder, or a merged model folder")
+    serve.add_argument("--host", default=None, help="address to bind (default: serve.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $DARTS_DIST_API_KEY)")
+    serve.add_argument("--config", type=Path, default=None,
+                       help="a darts-dist YAML whose serve section to use (default: the model's own run config)")
+    serve.add_argument("--tracking-uri", default=None, help="the registry for models:/ URIs (default: "
+                       "MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    serve.add_argument("--name", default=None, help="model name in the served ids (default: the registered name)")
+    serve.add_argument("--corrections", type=Path, default=None, help="corrections file, for a merged model folder")
+    serve.add_argument("--router", type=Path, default=None, help="router file, for a merged model folder")
 
     ablate = command("ablate", "the ablation table: merged, Surgery, +entropy, +position, DARTS, per merge method",
                      cmd_ablate)

@@ -12,6 +12,8 @@ from darts_dist.errors import DartsError
 
 PositiveInt = Annotated[int, Field(gt=0)]
 Layer = int | Literal["final"]
+# Served model ids are NAME:<task>, NAME:merged (no correction) and NAME (task "auto": routed).
+RESERVED_TASKS = ("auto", "merged")
 
 
 class _Section(BaseModel):
@@ -39,6 +41,14 @@ class ExpertSpec(_Section):
     path: str
     data: DataSpec | None = None
     merge_parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("task")
+    @classmethod
+    def _not_reserved(cls, task: str) -> str:
+        if task in RESERVED_TASKS:
+            raise ValueError(f"the task name {task!r} is reserved for serving (model ids NAME:merged and the routed "
+                             f"task 'auto'); rename the task")
+        return task
 
 
 class SourcesSection(_Section):
@@ -172,8 +182,21 @@ class ServeSection(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     num_replicas: PositiveInt = 1
+    # Ray Serve's autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...); when set it
+    # replaces num_replicas.
+    autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: PositiveInt = 32
     max_tokens_limit: PositiveInt = 512
+    # Dynamic batching: requests arriving within the wait are generated together, up to the batch size.
+    max_batch_size: PositiveInt = 16
+    batch_wait_timeout_s: float = Field(default=0.01, ge=0.0)
+    use_gpu: bool = False  # one GPU per replica
+    num_cpus: float = Field(default=1.0, gt=0.0)  # per replica; also its torch threads
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # on GPUs; the CPU computes fp32
+    # The routed model id picks a task when the router's confidence reaches this, else no correction;
+    # "soft" mixes the corrections with the router's probabilities instead of taking the top task.
+    router_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    routing: Literal["hard", "soft"] = "hard"
 
 
 class RunConfig(_Section):

@@ -1,24 +1,34 @@
 """darts-dist's own corrected generation: a merged model, its tokenizer and per-task corrections, batched.
 
 One `CorrectedLM` serves every task at once: each sequence of a left-padded batch names its
-own task (None = the uncorrected merged model), and the correction applies at every position,
-prompt and generated tokens alike (DESIGN.md §1, Inference). The MLflow pyfunc model and the
-Ray Serve app both generate through this class, so their outputs are the same.
+own task (None = the uncorrected merged model, "auto" = the task router's pick), and the
+correction applies at every position, prompt and generated tokens alike (DESIGN.md §1,
+Inference). The MLflow pyfunc model and the Ray Serve app both generate through this class,
+so their outputs are the same; Serve streams through its `on_text` callback.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
 
-from darts_dist.core import DartsCorrections, attach_corrections, load_corrections
+from darts_dist.core import DartsCorrections, attach_corrections, load_corrections, one_hot_tasks
 from darts_dist.errors import DartsError
 from darts_dist.models import load_causal_lm, load_tokenizer, read_model_info
+from darts_dist.router import ROUTED, TaskRouter, prompt_features
+
+logger = logging.getLogger(__name__)
+# The task index of a routed sequence until the router has decided (−1 is no correction, 0..K−1 a task).
+_ROUTE = -2
+# on_text(deltas): each sequence's newly final text after a decoding step ("" when there is none).
+TextCallback = Callable[[list[str]], None]
 
 # What corrections record about the model they were trained against (pipeline.corrections_metadata).
 MODEL_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size")
@@ -30,12 +40,27 @@ class Completion:
 
     finish_reason is "stop" (an end-of-sequence token or a stop string) or "length" (max_new_tokens
     reached); completion_tokens counts the tokens generated, the end-of-sequence token included.
+    task is the correction that applied (None: none); confidence is the router's, for routed sequences.
     """
 
     text: str
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    task: str | None = None
+    confidence: float | None = None
+
+
+def _check_router(router: TaskRouter, tasks: tuple[str, ...], hidden_size: int) -> None:
+    """A router must choose among exactly these corrections' tasks, from hidden states of this model's size."""
+    if not tasks:
+        raise DartsError("a task router was given without corrections to choose from", "load the corrections too")
+    if router.tasks != tasks:
+        raise DartsError(f"the router picks among tasks {list(router.tasks)}, the corrections have {list(tasks)}",
+                         "use the router fit in the same calibration as the corrections")
+    if router.hidden_size != hidden_size:
+        raise DartsError(f"the router reads hidden states of size {router.hidden_size}, the model's are {hidden_size}",
+                         "use the router fit on this merged model")
 
 
 def load_corrections_for(path: Path, merged_dir: Path) -> DartsCorrections:
@@ -68,12 +93,27 @@ class CorrectedLM:
     """A merged causal LM with its DARTS corrections hooked in, generating for several tasks per batch."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, corrections: DartsCorrections | None = None
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        corrections: DartsCorrections | None = None,
+        router: TaskRouter | None = None,
+        threshold: float | None = None,
+        soft_routing: bool = False,
     ) -> None:
+        """`threshold` defaults to the router's own; `soft_routing` mixes the corrections by the router's
+        probabilities instead of applying the top task's alone (below the threshold: none either way)."""
         self.model = model
         self.tokenizer = tokenizer
         self.corrections = corrections
         self.tasks: tuple[str, ...] = () if corrections is None else tuple(corrections.spec.tasks)
+        if router is not None:
+            _check_router(router, self.tasks, model.config.hidden_size)
+        self.router = router
+        self.threshold = threshold if threshold is not None else router.threshold if router is not None else 1.0
+        if not 0.0 <= self.threshold <= 1.0:
+            raise DartsError(f"the router threshold must be in [0, 1], got {self.threshold}")
+        self.soft_routing = soft_routing
         device = next(model.parameters()).device
         self._handle = None if corrections is None else attach_corrections(model, corrections.to(device))
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -88,10 +128,15 @@ class CorrectedLM:
         corrections_path: Path | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        router_path: Path | None = None,
+        **routing: object,
     ) -> CorrectedLM:
-        """The merged model folder (weights and tokenizer) plus, optionally, its corrections file."""
+        """The merged model folder (weights and tokenizer) plus, optionally, its corrections and router files;
+        `routing`: threshold and soft_routing as in the constructor."""
         corrections = None if corrections_path is None else load_corrections_for(corrections_path, merged_dir)
-        return cls(load_causal_lm(merged_dir, dtype=dtype, device=device), load_tokenizer(merged_dir), corrections)
+        router = None if router_path is None else TaskRouter.load(router_path)
+        return cls(load_causal_lm(merged_dir, dtype=dtype, device=device), load_tokenizer(merged_dir), corrections,
+                   router, **routing)
 
     def close(self) -> None:
         """Take the corrections' hooks off the model, so it runs plain forwards again (and knows no tasks)."""
@@ -107,9 +152,14 @@ class CorrectedLM:
         self.close()
 
     def task_index(self, task: str | None) -> int:
-        """The correction index of a task name; −1 (no correction) for None."""
+        """The correction index of a task name; −1 (no correction) for None; `_ROUTE` for "auto"."""
         if task is None:
             return -1
+        if task == ROUTED:
+            if self.router is None or self._handle is None:
+                raise DartsError(f"task {ROUTED!r} asks the task router, but this model has none",
+                                 "name a task, or load the model with the router its calibration wrote")
+            return _ROUTE
         if task not in self.tasks:
             known = list(self.tasks) or "none: this model has no corrections"
             raise DartsError(f"unknown task {task!r}; the corrections know {known}",
@@ -122,22 +172,19 @@ class CorrectedLM:
             raise DartsError("this model's tokenizer has no chat template", "send plain prompts instead of messages")
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
-    def generate(
-        self,
-        prompts: Sequence[str],
-        tasks: Sequence[str | None] | None = None,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-    ) -> list[Completion]:
-        """Continue each prompt under its own task's correction; temperature 0 is greedy decoding.
+    def encode(self, prompt: str) -> list[int]:
+        """A plain prompt's tokens, with the tokenizer's default special tokens, as calibration text had."""
+        return self.tokenizer(prompt, verbose=False)["input_ids"]
 
-        Plain prompts get the tokenizer's default special tokens, as calibration text did.
-        """
-        encoded = [self.tokenizer(p, verbose=False)["input_ids"] for p in prompts]
-        return self._generate(encoded, tasks, max_new_tokens, temperature, top_p, stop, seed)
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """A conversation's tokens up to the assistant's turn; the rendered template holds its special tokens."""
+        return self.tokenizer(self.chat_prompt(messages), add_special_tokens=False, verbose=False)["input_ids"]
+
+    def generate(
+        self, prompts: Sequence[str], tasks: Sequence[str | None] | None = None, **options: object
+    ) -> list[Completion]:
+        """Continue each prompt under its own task's correction; options as in `generate_ids`."""
+        return self.generate_ids([self.encode(p) for p in prompts], tasks, **options)
 
     def chat(
         self,
@@ -145,13 +192,8 @@ class CorrectedLM:
         tasks: Sequence[str | None] | None = None,
         **options: object,
     ) -> list[Completion]:
-        """The assistant's reply to each conversation (chat template applied); options as in `generate`."""
-        # A rendered template already holds its special tokens, so none are added again.
-        encoded = [
-            self.tokenizer(self.chat_prompt(c), add_special_tokens=False, verbose=False)["input_ids"]
-            for c in conversations
-        ]
-        return self._generate(encoded, tasks, **options)
+        """The assistant's reply to each conversation (chat template applied); options as in `generate_ids`."""
+        return self.generate_ids([self.encode_chat(c) for c in conversations], tasks, **options)
 
     def _check(
         self, count: int, tasks: Sequence[str | None] | None, max_new_tokens: int, temperature: float, top_p: float
@@ -167,21 +209,28 @@ class CorrectedLM:
         return [self.task_index(t) for t in tasks]
 
     @torch.inference_mode()
-    def _generate(
+    def generate_ids(
         self,
-        encoded: list[list[int]],
-        tasks: Sequence[str | None] | None,
+        encoded: Sequence[Sequence[int]],
+        tasks: Sequence[str | None] | None = None,
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_p: float = 1.0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
+        on_text: TextCallback | None = None,
     ) -> list[Completion]:
+        """Continue tokenised prompts, each under its task's correction; temperature 0 is greedy decoding.
+
+        `on_text`, if given, hears after each decoding step every sequence's newly final text, and once
+        more at the end with the rest, so that what it heard adds up to each completion's text.
+        """
         if not encoded:
             return []
         if any(not ids for ids in encoded):
             raise DartsError("a prompt is empty after tokenisation", "send at least one token of text")
         task_ids = self._check(len(encoded), tasks, max_new_tokens, temperature, top_p)
+        weights, applied = self._task_weights(task_ids, encoded)
         device = next(self.model.parameters()).device
         width = max(len(ids) for ids in encoded)
         # Left padding, so every sequence's next token is at the same column; the hooks count
@@ -196,26 +245,59 @@ class CorrectedLM:
             sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p}
         else:
             sampling = {"do_sample": False}
-        stopping = {"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}
-        with _seeded(seed), self._tasks(task_ids):
+        stop = list(stop or ())
+        stopping = {"stop_strings": stop, "tokenizer": self.tokenizer} if stop else {}
+        streamer = None if on_text is None else _TextDeltas(self, len(encoded), stop, on_text)
+        with _seeded(seed), self._weighted(weights):
             output = self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 max_new_tokens=max_new_tokens,
                 pad_token_id=self._pad_id,
                 eos_token_id=sorted(self._eos_ids) or None,
+                streamer=streamer,
                 **sampling,
                 **stopping,
             )
-        return [self._completion(len(ids), row.tolist(), list(stop or ()))
-                for ids, row in zip(encoded, output[:, width:].cpu())]
+        completions = [
+            replace(self._completion(len(ids), row.tolist(), stop), task=task, confidence=confidence)
+            for ids, row, (task, confidence) in zip(encoded, output[:, width:].cpu(), applied)
+        ]
+        if streamer is not None:
+            streamer.finish(completions)
+        return completions
+
+    def _task_weights(
+        self, task_ids: list[int], encoded: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor | None, list[tuple[str | None, float | None]]]:
+        """[B, K] correction weights, and per sequence (task applied, router confidence); routed rows ask the router.
+
+        The router reads the merged model's uncorrected hidden states of the prompt: no task weights
+        are set yet, so the hooks pass them through.
+        """
+        if self._handle is None:
+            return None, [(None, None)] * len(task_ids)
+        weights = one_hot_tasks(torch.tensor([max(i, -1) for i in task_ids]), len(self.tasks))
+        applied: list[tuple[str | None, float | None]] = [(self.tasks[i] if i >= 0 else None, None) for i in task_ids]
+        routed = [row for row, i in enumerate(task_ids) if i == _ROUTE]
+        if routed:
+            features = prompt_features(self.model, [encoded[row] for row in routed], self.router.layer, self._pad_id,
+                                       batch_size=len(routed))
+            routing = self.router.route(features, self.threshold)
+            for row, task, confidence, probabilities in zip(routed, routing.task.tolist(),
+                                                            routing.confidence.tolist(), routing.probabilities):
+                if task >= 0:
+                    weights[row] = probabilities if self.soft_routing else one_hot_tasks(torch.tensor([task]),
+                                                                                          len(self.tasks))[0]
+                applied[row] = (self.tasks[task] if task >= 0 else None, confidence)
+        return weights, applied
 
     @contextlib.contextmanager
-    def _tasks(self, task_ids: list[int]) -> Iterator[None]:
+    def _weighted(self, weights: torch.Tensor | None) -> Iterator[None]:
         if self._handle is None:
             yield
             return
-        with self._handle.tasks(task_ids):
+        with self._handle.weighted(weights):
             yield
 
     def _completion(self, prompt_tokens: int, generated: list[int], stop: list[str]) -> Completion:
@@ -232,3 +314,58 @@ class CorrectedLM:
         if end is None:
             return Completion(text, prompt_tokens, len(generated), "length")
         return Completion(text, prompt_tokens, end + 1, "stop")
+
+
+class _TextDeltas(BaseStreamer):
+    """generate()'s tokens, step by step, turned into each sequence's newly *final* text.
+
+    Text is final once no later token can change it: a possible beginning of a stop string and an
+    unfinished UTF-8 character (decoded as U+FFFD) are held back until the next tokens decide them.
+    """
+
+    def __init__(self, lm: CorrectedLM, count: int, stop: list[str], on_text: TextCallback) -> None:
+        self.lm = lm
+        self.stop = stop
+        self.on_text = on_text
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
+        self.sent = [""] * count
+        self.done = [False] * count
+
+    def put(self, value: torch.Tensor) -> None:
+        if value.ndim == 2:  # generate() hands over the prompts first
+            return
+        self.on_text([self._advance(row, token) for row, token in enumerate(value.tolist())])
+
+    def end(self) -> None:
+        """Nothing to flush here: `finish` sends the rest, from the completions themselves."""
+
+    def _advance(self, row: int, token: int) -> str:
+        if self.done[row]:
+            return ""
+        if token in self.lm._eos_ids:
+            self.done[row] = True
+            return ""
+        self.tokens[row].append(token)
+        text = self.lm.tokenizer.decode(self.tokens[row], skip_special_tokens=True)
+        hits = [text.find(s) for s in self.stop if s in text]
+        if hits:
+            self.done[row] = True
+            final = text[: min(hits)]
+        else:
+            final = text[: len(text) - self.hold].rstrip("\ufffd")
+        if len(final) <= len(self.sent[row]) or not final.startswith(self.sent[row]):
+            return ""
+        delta = final[len(self.sent[row]):]
+        self.sent[row] = final
+        return delta
+
+    def finish(self, completions: list[Completion]) -> None:
+        """The rest of each completion's text, so that the deltas add up to it."""
+        rest = []
+        for sent, completion in zip(self.sent, completions):
+            if not completion.text.startswith(sent):
+                # Only a tokenizer whose decoding of a prefix is not a prefix of the whole does this.
+                logger.warning("streamed text %r is not a prefix of the completion %r", sent, completion.text)
+            rest.append(completion.text[len(sent):] if completion.text.startswith(sent) else "")
+        self.on_text(rest)

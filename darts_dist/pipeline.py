@@ -45,6 +45,7 @@ from darts_dist.registry import (
     register_version,
     registered_model_name,
 )
+from darts_dist.router import fit_run_router
 from darts_dist.sources import ResolvedSources, resolve_sources
 from darts_dist.task_scores import score_task, scorer_for
 from darts_dist.tracking import (
@@ -286,6 +287,9 @@ def run_calibration(state: RunState) -> Path:
         "losses": losses,
         **({"job": outcome.job} if outcome.job is not None else {}),
     }
+    # The task router (routed serving) learns from the same calibration prompts.
+    state.report["router"] = fit_run_router(config, state.sources, state.merged_dir,
+                                            headline_layer(config.calibration.layers))
     plots = {
         "loss": plot_loss(losses, config.run_dir / "plots" / "loss.png"),
         "entropy_weights": plot_entropy_weights(
@@ -353,7 +357,8 @@ def register_calibration(state: RunState) -> Registration | None:
         state.report["tracking"]["decision"] = decision
         return None
     corrections = Path(state.report["corrections"])
-    logged = log_pyfunc_model(tracking.uri, run_id, state.merged_dir, corrections, example_task=config.tasks[0])
+    logged = log_pyfunc_model(tracking.uri, run_id, state.merged_dir, corrections, example_task=config.tasks[0],
+                              router=Path(state.report["router"]["path"]))
     registration = register_version(
         tracking.client, registered_model_name(config), logged, run_id, config.tracking.alias
     )

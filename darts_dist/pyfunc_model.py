@@ -5,7 +5,8 @@ hands its *path* to `mlflow.pyfunc.log_model`, MLflow stores a copy of it with t
 `mlflow.pyfunc.load_model` executes that copy, so loading a model unpickles nothing. darts-dist
 itself never imports this module (running it registers the model with MLflow's `set_model`).
 `load_context` reads only the model's own artifacts: the merged model folder (weights,
-config, tokenizer) and the corrections' safetensors file.
+config, tokenizer), the corrections' safetensors file and the task router's. A row whose task
+is "auto" is routed: the router picks its task, or no correction below its threshold.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pandas as pd
 from mlflow.pyfunc import PythonModel, PythonModelContext
 
 from darts_dist.generation import CorrectedLM
-from darts_dist.registry import CORRECTIONS_ARTIFACT, MERGED_ARTIFACT, PARAM_DEFAULTS
+from darts_dist.registry import CORRECTIONS_ARTIFACT, MERGED_ARTIFACT, PARAM_DEFAULTS, ROUTER_ARTIFACT
 
 
 def _task(value: object) -> str | None:
@@ -32,9 +33,11 @@ class DartsPyfunc(PythonModel):
     """`predict` takes a DataFrame of `prompt` and optional `task`; params carry the generation settings."""
 
     def load_context(self, context: PythonModelContext) -> None:
-        corrections = context.artifacts.get(CORRECTIONS_ARTIFACT)
+        corrections, router = (context.artifacts.get(name) for name in (CORRECTIONS_ARTIFACT, ROUTER_ARTIFACT))
         self.lm = CorrectedLM.load(
-            Path(context.artifacts[MERGED_ARTIFACT]), None if corrections is None else Path(corrections)
+            Path(context.artifacts[MERGED_ARTIFACT]),
+            None if corrections is None else Path(corrections),
+            router_path=None if router is None else Path(router),
         )
 
     def predict(

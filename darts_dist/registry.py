@@ -1,14 +1,16 @@
 """The model registry: the corrected merged model as an MLflow pyfunc, and the alias that only moves forward.
 
-A calibration's model is logged to its run (merged model folder + corrections, code in
-`pyfunc_model.py`) and registered as a new version of a named model. The alias (default
+A calibration's model is logged to its run (merged model folder + corrections + task router,
+code in `pyfunc_model.py`) and registered as a new version of a named model. The alias (default
 `champion`) moves to the new version only when its held-out evaluation is at least as good
-as the current holder's on `DECISIVE_METRIC`; serving loads `models:/NAME@ALIAS`.
+as the current holder's on `DECISIVE_METRIC`; serving loads `models:/NAME@ALIAS` (`fetch_model`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import tempfile
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -18,17 +20,21 @@ import mlflow
 import pandas as pd
 from mlflow import MlflowClient
 from mlflow.entities import Run, RunTag
+from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
-from mlflow.models import ModelSignature
+from mlflow.models import Model, ModelSignature
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from darts_dist.config import RunConfig, parse_config
 from darts_dist.errors import DartsError
+from darts_dist.fsutil import atomic_dir, cache_root
+from darts_dist.router import ROUTER_FILE
 from darts_dist.tracking import CORRECTIONS_TAG, MERGED_DIR_TAG, STAGE_TAG, TRACKING_URI_ENV, environment
 
 MERGED_ARTIFACT = "merged"
 CORRECTIONS_ARTIFACT = "corrections"
+ROUTER_ARTIFACT = "router"
 PYFUNC_CODE = Path(__file__).with_name("pyfunc_model.py")
 # Generation settings a request may pass as params; these are the defaults (greedy, 64 tokens).
 PARAM_DEFAULTS: dict[str, object] = {
@@ -76,16 +82,18 @@ def _requirements() -> list[str]:
 
 
 def log_pyfunc_model(
-    uri: str, run_id: str, merged_dir: Path, corrections: Path | None, example_task: str | None
+    uri: str, run_id: str, merged_dir: Path, corrections: Path | None, example_task: str | None,
+    router: Path | None = None,
 ) -> str:
-    """Log the pyfunc model (merged folder + corrections) to `run_id`; returns its `models:/m-...` URI.
+    """Log the pyfunc model (merged folder + corrections + router) to `run_id`; returns its `models:/m-...` URI.
 
     MLflow checks the input example by loading the model and generating a few tokens, so a model
     that cannot load or generate is refused here, before anything is registered.
     """
     artifacts = {MERGED_ARTIFACT: str(merged_dir)}
-    if corrections is not None:
-        artifacts[CORRECTIONS_ARTIFACT] = str(corrections)
+    for name, path in ((CORRECTIONS_ARTIFACT, corrections), (ROUTER_ARTIFACT, router)):
+        if path is not None:
+            artifacts[name] = str(path)
     example = pd.DataFrame({"prompt": ["Question: What is 17 + 26?\nAnswer:"], "task": [example_task]})
     # log_model works on MLflow's active run and process-wide URI; set through the environment
     # (not mlflow.set_tracking_uri, which leaves it changed for the rest of the process).
@@ -235,6 +243,73 @@ def register_run(client: MlflowClient, run_id: str, name: str | None = None, ali
         if missing:
             raise DartsError(f"run {run.info.run_id}'s files are gone: {missing}",
                              "register from the machine and folder where the run wrote them")
-        logged = log_pyfunc_model(client.tracking_uri, run.info.run_id, merged_dir, corrections, config.tasks[0])
+        # The router a calibration fits is written next to its corrections (pipeline.run_calibration).
+        router = corrections.with_name(ROUTER_FILE)
+        logged = log_pyfunc_model(client.tracking_uri, run.info.run_id, merged_dir, corrections, config.tasks[0],
+                                  router if router.is_file() else None)
     return register_version(client, name or registered_model_name(config), logged, run.info.run_id,
                             alias or config.tracking.alias)
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A servable model on local disk: the merged model folder, and its corrections and router where it has them."""
+
+    name: str
+    merged_dir: Path
+    corrections: Path | None
+    router: Path | None
+    config: RunConfig | None  # the config of the run that made it, where known
+
+
+_MODEL_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>\d+))$")
+
+
+def model_version(client: MlflowClient, uri: str) -> ModelVersion:
+    """The registered version `models:/NAME@ALIAS` or `models:/NAME/VERSION` names."""
+    match = _MODEL_URI.match(uri)
+    if match is None:
+        raise DartsError(f"{uri!r} is not a registered model URI", "write models:/NAME@ALIAS or models:/NAME/VERSION")
+    name, alias, version = match["name"], match["alias"], match["version"]
+    try:
+        if alias is not None:
+            return client.get_model_version_by_alias(name, alias)
+        return client.get_model_version(name, version)
+    except MlflowException as error:
+        raise DartsError(f"{uri} is not in the registry at {client.tracking_uri}: {error.message}",
+                         "check the name and alias or version (MLFLOW_TRACKING_URI picks the registry)") from None
+
+
+def version_config(client: MlflowClient, version: ModelVersion) -> RunConfig | None:
+    """The config of the session that calibrated a version; None for a version without one."""
+    if not version.run_id:
+        return None
+    try:
+        return run_config(client, client.get_run(version.run_id))
+    except (MlflowException, OSError, DartsError):
+        return None
+
+
+def fetch_model(client: MlflowClient, uri: str, cache: Path | None = None) -> ModelFiles:
+    """Download a registered version's pyfunc artifacts (once: versions never change) and find its parts.
+
+    The download goes to `cache` (default: the darts-dist cache) under the registry, name and version,
+    atomically, so replicas that start together on one machine share one finished copy.
+    """
+    version = model_version(client, uri)
+    registry = hashlib.sha256(client.tracking_uri.encode()).hexdigest()[:12]
+    folder = (cache or cache_root() / "served") / registry / version.name / str(version.version)
+    if not folder.is_dir():
+        try:
+            with atomic_dir(folder) as scratch, environment(**{TRACKING_URI_ENV: client.tracking_uri}):
+                mlflow.artifacts.download_artifacts(artifact_uri=f"models:/{version.name}/{version.version}",
+                                                    dst_path=str(scratch))
+        except FileExistsError:  # another replica finished the same download first
+            pass
+    artifacts = Model.load(str(folder)).flavors["python_function"].get("artifacts", {})
+    paths = {name: folder / spec["path"] for name, spec in artifacts.items()}
+    if MERGED_ARTIFACT not in paths:
+        raise DartsError(f"{uri} (version {version.version}) has no merged model artifact",
+                         "register a model logged by darts-dist (`darts-dist calibrate` or `register`)")
+    return ModelFiles(name=version.name, merged_dir=paths[MERGED_ARTIFACT], corrections=paths.get(CORRECTIONS_ARTIFACT),
+                      router=paths.get(ROUTER_ARTIFACT), config=version_config(client, version))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -167,14 +168,18 @@ class CorrectionHandle:
         self.set_task_weights(one_hot_tasks(torch.as_tensor(task_ids), self.corrections.spec.num_tasks))
 
     @contextmanager
-    def tasks(self, task_ids: Sequence[int] | Tensor) -> Iterator[None]:
-        """set_tasks(task_ids) inside the block; the previous task weights come back after it."""
+    def weighted(self, task_weights: Tensor | None) -> Iterator[None]:
+        """set_task_weights(task_weights) inside the block; the previous task weights come back after it."""
         previous = self.task_weights
-        self.set_tasks(task_ids)
+        self.set_task_weights(task_weights)
         try:
             yield
         finally:
             self.task_weights = previous
+
+    def tasks(self, task_ids: Sequence[int] | Tensor) -> contextlib.AbstractContextManager[None]:
+        """set_tasks(task_ids) inside the block; the previous task weights come back after it."""
+        return self.weighted(one_hot_tasks(torch.as_tensor(task_ids), self.corrections.spec.num_tasks))
 
     def remove(self) -> None:
         for hook in self._hooks:

@@ -1,4 +1,4 @@
-"""Corrections on disk: one safetensors file whose header holds the spec, the layers and user metadata."""
+"""Corrections (and the task router) on disk: a safetensors file whose JSON header says what it holds."""
 
 from __future__ import annotations
 
@@ -28,10 +28,77 @@ def _tensors(corrections: DartsCorrections) -> dict[str, torch.Tensor]:
     }
 
 
+def write_tagged(path: Path, tensors: dict[str, torch.Tensor], header: dict[str, Any], kind: str) -> Path:
+    """Write fp32 CPU tensors with `header` as JSON under the darts-dist metadata key, atomically."""
+    path = Path(path)
+    tensors = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in tensors.items()}
+    try:
+        header_json = json.dumps(header)
+    except TypeError as e:
+        raise DartsError(
+            f"cannot save the {kind} to {path}: the metadata is not JSON-serialisable ({e})",
+            fix="pass metadata made of strings, numbers, lists and dicts",
+        ) from e
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={HEADER_KEY: header_json})
+    return path
+
+
+def read_tagged_header(path: Path, fmt: str, version: int, keys: tuple[str, ...], kind: str) -> dict[str, Any]:
+    """The darts-dist header of a `fmt` file, checked for format, version and `keys`, without loading tensors.
+
+    `kind` names the file's content in errors ("corrections", "router").
+    """
+    path = Path(path)
+    resave = f"re-save the {kind}"
+    if not path.is_file():
+        raise DartsError(f"{kind} file {path} does not exist", fix="check the path, or calibrate first")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DartsError(f"{path} is not a readable safetensors file ({e})", fix=resave) from e
+    if HEADER_KEY not in meta:
+        raise DartsError(
+            f"{path} has no darts-dist header: it is a safetensors file, but not darts-dist {kind}",
+            fix=f"pass a {kind} file written by darts-dist",
+        )
+    try:
+        header = json.loads(meta[HEADER_KEY])
+    except json.JSONDecodeError as e:
+        raise DartsError(f"{path}: the darts-dist header is not valid JSON ({e})", fix=resave) from e
+    if not isinstance(header, dict) or header.get("format") != fmt:
+        found = header.get("format") if isinstance(header, dict) else type(header).__name__
+        raise DartsError(f"{path}: header format is {found!r}, expected {fmt!r}", fix=resave)
+    if header.get("version") != version:
+        raise DartsError(
+            f"{path}: {kind} format version {header.get('version')!r}, this darts-dist reads {version}",
+            fix="use the darts-dist version that wrote the file, or re-calibrate",
+        )
+    for key in keys:
+        if key not in header:
+            raise DartsError(f"{path}: the darts-dist header lacks {key!r}", fix=resave)
+    return header
+
+
+def read_tagged_tensors(path: Path, expected: dict[str, list[int]], kind: str) -> dict[str, torch.Tensor]:
+    """The file's tensors, refused unless their names and shapes are exactly `expected`."""
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DartsError(f"{path}: cannot read the tensors ({e})", fix=f"re-save the {kind}") from e
+    actual = {name: list(t.shape) for name, t in tensors.items()}
+    if actual != expected:
+        raise DartsError(
+            f"{path}: the stored tensors {actual} do not match the header, which needs {expected}",
+            fix=f"re-save the {kind}",
+        )
+    return tensors
+
+
 def save_corrections(path: Path, corrections: DartsCorrections, metadata: dict[str, Any] | None = None) -> Path:
     """Write the corrections (fp32) and a JSON header to `path`, atomically; returns the path."""
-    path = Path(path)
-    tensors = {name: p.detach().to("cpu", torch.float32).contiguous() for name, p in _tensors(corrections).items()}
+    tensors = _tensors(corrections)
     header = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -40,49 +107,12 @@ def save_corrections(path: Path, corrections: DartsCorrections, metadata: dict[s
         "shapes": {name: list(t.shape) for name, t in tensors.items()},
         "metadata": metadata or {},
     }
-    try:
-        header_json = json.dumps(header)
-    except TypeError as e:
-        raise DartsError(
-            f"cannot save corrections to {path}: the metadata is not JSON-serialisable ({e})",
-            fix="pass metadata made of strings, numbers, lists and dicts",
-        ) from e
-    with atomic_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata={HEADER_KEY: header_json})
-    return path
+    return write_tagged(path, tensors, header, "corrections")
 
 
 def read_header(path: Path) -> dict[str, Any]:
-    """The file's darts-dist header, checked for format and version, without loading any tensor."""
-    path = Path(path)
-    if not path.is_file():
-        raise DartsError(f"corrections file {path} does not exist", fix="check the path, or calibrate first")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise DartsError(f"{path} is not a readable safetensors file ({e})", fix="re-save the corrections") from e
-    if HEADER_KEY not in meta:
-        raise DartsError(
-            f"{path} has no darts-dist header: it is a safetensors file, but not darts-dist corrections",
-            fix="pass a file written by darts_dist.core.io.save_corrections",
-        )
-    try:
-        header = json.loads(meta[HEADER_KEY])
-    except json.JSONDecodeError as e:
-        raise DartsError(f"{path}: the darts-dist header is not valid JSON ({e})", fix="re-save the corrections") from e
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        found = header.get("format") if isinstance(header, dict) else type(header).__name__
-        raise DartsError(f"{path}: header format is {found!r}, expected {FORMAT!r}", fix="re-save the corrections")
-    if header.get("version") != FORMAT_VERSION:
-        raise DartsError(
-            f"{path}: corrections format version {header.get('version')!r}, this darts-dist reads {FORMAT_VERSION}",
-            fix="use the darts-dist version that wrote the file, or re-calibrate",
-        )
-    for key in ("spec", "layers", "shapes", "metadata"):
-        if key not in header:
-            raise DartsError(f"{path}: the darts-dist header lacks {key!r}", fix="re-save the corrections")
-    return header
+    """The corrections file's darts-dist header, checked for format and version, without loading any tensor."""
+    return read_tagged_header(path, FORMAT, FORMAT_VERSION, ("spec", "layers", "shapes", "metadata"), "corrections")
 
 
 def load_corrections(path: Path) -> tuple[DartsCorrections, dict[str, Any]]:
@@ -101,16 +131,7 @@ def load_corrections(path: Path) -> tuple[DartsCorrections, dict[str, Any]]:
             f"{path}: the header's tensor shapes {header['shapes']} do not match its spec, which needs {expected}",
             fix="re-save the corrections",
         )
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise DartsError(f"{path}: cannot read the tensors ({e})", fix="re-save the corrections") from e
-    actual = {name: list(t.shape) for name, t in tensors.items()}
-    if actual != expected:
-        raise DartsError(
-            f"{path}: the stored tensors {actual} do not match the header, which needs {expected}",
-            fix="re-save the corrections",
-        )
+    tensors = read_tagged_tensors(path, expected, "corrections")
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(tensors[name])

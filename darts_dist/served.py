@@ -1,0 +1,112 @@
+"""What a darts-dist server serves: the model (a registered version, a run folder or loose files), the
+model ids it answers to, and the serving settings, all settled on the driver before Serve starts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from darts_dist.config import RunConfig, ServeSection, TrackingSection, load_config, parse_config
+from darts_dist.errors import DartsError
+from darts_dist.registry import ModelFiles, fetch_model, model_version, registered_model_name, version_config
+from darts_dist.router import ROUTED, ROUTER_FILE
+from darts_dist.tracking import TRACKING_URI_ENV, connect, environment, tracking_uri
+
+MERGED_ID = "merged"
+# Reports a run folder may hold (`calibrate` writes calibration.json, `demo` report.json).
+_REPORTS = ("report.json", "calibration.json")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What each replica loads: a registered version (fetched on the replica's own node) or local files."""
+
+    name: str
+    registered: str | None = None  # models:/NAME@ALIAS or models:/NAME/VERSION
+    tracking_uri: str | None = None
+    files: ModelFiles | None = None
+
+    def fetch(self) -> ModelFiles:
+        if self.files is not None:
+            return self.files
+        return fetch_model(connect(self.tracking_uri), self.registered)
+
+
+def model_ids(name: str, tasks: Sequence[str], routed: bool) -> dict[str, str | None]:
+    """Each served model id and the task it generates under (None: no correction, ROUTED: the router's pick)."""
+    ids: dict[str, str | None] = {f"{name}:{task}": task for task in tasks}
+    if routed:
+        ids[name] = ROUTED
+    ids[f"{name}:{MERGED_ID}"] = None
+    return ids
+
+
+def _report_files(folder: Path) -> tuple[ModelFiles, RunConfig]:
+    """A run folder's merged model, corrections and router, found through the report it wrote."""
+    for report_name in _REPORTS:
+        path = folder / report_name
+        if path.is_file():
+            report = json.loads(path.read_text())
+            break
+    else:
+        raise DartsError(f"{folder} is neither a model folder (config.json) nor a run folder ({' or '.join(_REPORTS)})",
+                         "pass models:/NAME@ALIAS, a run folder, or a merged model folder with --corrections")
+    config = parse_config(report["config"], origin=f"{path}'s config")
+    router = folder / ROUTER_FILE
+    files = ModelFiles(name=registered_model_name(config), merged_dir=Path(report["merged"]),
+                       corrections=Path(report["corrections"]) if report.get("corrections") else None,
+                       router=router if router.is_file() else None, config=config)
+    return files, config
+
+
+def resolve_model(
+    model: str,
+    tracking: str | None = None,
+    corrections: Path | None = None,
+    router: Path | None = None,
+    name: str | None = None,
+) -> tuple[ModelSource, RunConfig | None]:
+    """The model to serve and the config of the run that made it (its `serve` section), checked on the driver.
+
+    `model`: models:/NAME@ALIAS or models:/NAME/VERSION (from the registry at `tracking`, else
+    MLFLOW_TRACKING_URI, else sqlite:///mlflow.db); a run folder; or a merged model folder, with
+    `corrections` and `router` files given apart.
+    """
+    if model.startswith("models:/"):
+        # An explicit URI wins over MLFLOW_TRACKING_URI; either way a relative sqlite file becomes absolute,
+        # so replicas running in other folders open the same registry.
+        with environment(**({TRACKING_URI_ENV: tracking} if tracking else {})):
+            uri = tracking_uri(TrackingSection().uri)
+        client = connect(uri)
+        version = model_version(client, model)
+        # Pinned to the version the alias names now: a replica added later (autoscaling, a restart)
+        # must serve the same model even if the alias has moved on.
+        pinned = f"models:/{version.name}/{version.version}"
+        return (ModelSource(name=name or version.name, registered=pinned, tracking_uri=uri),
+                version_config(client, version))
+    folder = Path(model).absolute()
+    if not folder.is_dir():
+        raise DartsError(f"{model} is neither a models:/ URI nor a folder",
+                         "pass models:/NAME@ALIAS, a run folder, or a merged model folder")
+    if (folder / "config.json").is_file():
+        files, config = ModelFiles(name or folder.name, folder, corrections, router, None), None
+    else:
+        files, config = _report_files(folder)
+        files = ModelFiles(name or files.name, files.merged_dir, corrections or files.corrections,
+                           router or files.router, config)
+    missing = [str(p) for p in (files.merged_dir, files.corrections, files.router) if p is not None and not p.exists()]
+    if missing:
+        raise DartsError(f"files of the model to serve are missing: {missing}", "check the paths, or calibrate again")
+    return ModelSource(name=files.name, files=files), config
+
+
+def serve_settings(config: RunConfig | None, override: Path | None = None, **values: Any) -> ServeSection:
+    """The serve section: defaults < the model's run config < a --config YAML < explicit values (None: unset)."""
+    settings = config.serve if config is not None else ServeSection()
+    if override is not None:
+        settings = load_config(override).serve
+    changes = {key: value for key, value in values.items() if value is not None}
+    return ServeSection.model_validate({**settings.model_dump(), **changes})

@@ -1,0 +1,206 @@
+"""The task router: it separates clearly different tasks, saves exactly, and routes generation (or abstains)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_generation import PROMPTS, TASKS, strong_corrections
+
+from darts_dist.cli import main
+from darts_dist.config import TrackingSection, load_config
+from darts_dist.errors import DartsError
+from darts_dist.generation import CorrectedLM
+from darts_dist.registry import fetch_model
+from darts_dist.router import ROUTED, TaskRouter, fit_router, fit_run_router
+from darts_dist.sources import resolve_sources
+from darts_dist.tracking import connect, tracking_uri
+
+
+def blobs(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three well-separated Gaussian clusters in 16 dimensions, `count` points each."""
+    generator = torch.Generator().manual_seed(seed)
+    centres = torch.tensor([[6.0] + [0.0] * 15, [0.0, 6.0] + [0.0] * 14, [0.0, 0.0, 6.0] + [0.0] * 13]) + 3.0
+    points = torch.cat([c + torch.randn(count, 16, generator=generator) for c in centres])
+    return points, torch.arange(3).repeat_interleave(count)
+
+
+def test_fit_separates_clear_clusters_and_routes_with_a_confidence() -> None:
+    features, labels = blobs(40, seed=0)
+    router = fit_router(features, labels, ("code", "math", "instruct"), "final", threshold=0.5)
+    held_out, truth = blobs(20, seed=1)
+    routing = router.route(held_out)
+    assert torch.equal(routing.task, truth)
+    assert torch.allclose(routing.probabilities.sum(-1), torch.ones(60))
+    assert torch.equal(routing.confidence, routing.probabilities.max(-1).values)
+    assert (routing.confidence >= 0.5).all()
+    # Halfway between two clusters nothing is sure: with a threshold above the top probability, no task.
+    between = ((held_out[:1] + held_out[20:21]) / 2)
+    assert router.route(between, threshold=0.99).task.tolist() == [-1]
+    # The same data gives the same router: full-batch L-BFGS from zero has nothing random in it.
+    again = fit_router(features, labels, ("code", "math", "instruct"), "final")
+    assert torch.equal(again.weight, router.weight) and torch.equal(again.bias, router.bias)
+
+
+def test_a_task_without_examples_is_refused() -> None:
+    features, labels = blobs(5, seed=0)
+    with pytest.raises(DartsError, match=r"no routing examples for tasks \['extra'\]"):
+        fit_router(features, labels, ("code", "math", "instruct", "extra"), "final")
+
+
+def test_save_and_load_round_trip_exactly(tmp_path: Path) -> None:
+    features, labels = blobs(10, seed=2)
+    router = fit_router(features, labels, ("code", "math", "instruct"), 3, threshold=0.7)
+    path = router.save(tmp_path / "router.safetensors", metadata={"train_accuracy": 1.0})
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+    loaded = TaskRouter.load(path)
+    assert (loaded.tasks, loaded.layer, loaded.threshold) == (("code", "math", "instruct"), 3, 0.7)
+    for name in ("mean", "scale", "weight", "bias"):
+        assert torch.equal(getattr(loaded, name), getattr(router, name)), name
+    assert torch.equal(loaded.route(features).probabilities, router.route(features).probabilities)
+
+
+def test_a_damaged_router_file_is_refused(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    features, labels = blobs(10, seed=2)
+    path = fit_router(features, labels, ("code", "math", "instruct"), "final").save(tmp_path / "router.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors["weight"] = tensors["weight"][:2]
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata=header)
+    with pytest.raises(DartsError, match="bad.safetensors.*stored tensors"):
+        TaskRouter.load(bad)
+    with pytest.raises(DartsError, match="router file .* does not exist"):
+        TaskRouter.load(tmp_path / "missing.safetensors")
+
+
+def write_run(tiny_family, folder: Path) -> Path:
+    """Two tasks whose prompts look nothing alike: Python functions (text) and word problems (chat)."""
+    data = folder / "data"
+    data.mkdir(parents=True)
+    names = ["apples", "pears", "coins", "books", "cars", "birds", "cups", "pens", "boxes", "keys", "hats", "rings"]
+    code = [{"text": f"def scale_{i}(values, factor={i}):\n    return [v * factor for v in values]\n"}
+            for i in range(16)]
+    math = [{"prompt": f"Question: Sam has {3 + i} {names[i % 12]} and buys {i + 2} more. How many now?",
+             "response": f"{3 + i} + {i + 2} = {5 + 2 * i}. #### {5 + 2 * i}"} for i in range(16)]
+    for task, rows in (("code", code), ("math", math)):
+        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:10]))
+        (data / f"{task}-heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[10:]))
+    config = {
+        "name": "routed",
+        "output_dir": str(folder / "runs"),
+        "sources": {"base": str(tiny_family.base), "experts": [
+            {"task": t, "path": str(tiny_family.experts[t]),
+             "data": {"calibration": f"data/{t}.jsonl", "heldout": f"data/{t}-heldout.jsonl"}} for t in TASKS]},
+        "calibration": {"num_samples": 10, "max_length": 48, "batch_size": 4},
+        "serve": {"router_threshold": 0.6},
+    }
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_the_run_router_separates_synthetic_tasks_on_held_out_prompts(tiny_family, tmp_path: Path) -> None:
+    config = load_config(write_run(tiny_family, tmp_path))
+    # The tiny base stands in for the merged model: the router only needs the model's hidden states.
+    report = fit_run_router(config, resolve_sources(config), tiny_family.base, "final")
+    assert report["train_accuracy"] == 1.0
+    assert report["accuracy"] == 1.0 and report["per_task"] == {"code": 1.0, "math": 1.0}
+    assert 0.0 <= report["below_threshold"] <= 1.0
+    router = TaskRouter.load(Path(report["path"]))
+    assert Path(report["path"]) == config.run_dir / "router.safetensors"
+    assert (router.tasks, router.layer, router.threshold) == (TASKS, "final", 0.6)
+
+
+def test_calibrate_fits_the_router_and_registers_it_with_the_model(tiny_family, tmp_path: Path) -> None:
+    path = write_run(tiny_family, tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["calibration"].update(steps=5, learning_rate=0.01, rank=4, max_positions=16)
+    config["merge"] = {"method": "task_arithmetic", "parameters": {"weight": 0.5}}
+    config["tracking"] = {"experiment": "test-router", "registered_model": "routed-tiny"}
+    path.write_text(yaml.safe_dump(config))
+    assert main(["calibrate", str(path), "--in-process"]) == 0
+    run_dir = tmp_path / "runs" / "routed"
+    report = json.loads((run_dir / "calibration.json").read_text())
+    assert report["router"]["path"] == str(run_dir / "router.safetensors")
+    assert report["router"]["accuracy"] == 1.0 and set(report["router"]["per_task"]) == set(TASKS)
+    # The registered version carries the router next to the merged model and the corrections.
+    files = fetch_model(connect(tracking_uri(TrackingSection().uri)), "models:/routed-tiny/1", tmp_path / "served")
+    assert files.corrections is not None and files.router is not None
+    assert TaskRouter.load(files.router).tasks == TASKS
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_family) -> CorrectedLM:
+    return CorrectedLM.load(tiny_family.base)
+
+
+def constant_router(lm: CorrectedLM, probabilities: list[float], threshold: float) -> TaskRouter:
+    """A router that gives every prompt the same task probabilities (zero weights, log-probability biases)."""
+    d = lm.model.config.hidden_size
+    return TaskRouter(TASKS, "final", torch.zeros(d), torch.ones(d), torch.zeros(len(TASKS), d),
+                      torch.tensor(probabilities).log(), threshold)
+
+
+def routed_lm(merged: CorrectedLM, router: TaskRouter, **options) -> CorrectedLM:
+    corrections = strong_corrections(merged.model.config.hidden_size)
+    return CorrectedLM(merged.model, merged.tokenizer, corrections, router, **options)
+
+
+def test_routed_generation_takes_the_routers_task_or_no_correction(merged: CorrectedLM) -> None:
+    sure = routed_lm(merged, constant_router(merged, [0.1, 0.9], threshold=0.5))
+    try:
+        routed = sure.generate(PROMPTS, [ROUTED] * 3, max_new_tokens=8)
+        named = sure.generate(PROMPTS, ["math"] * 3, max_new_tokens=8)
+        plain = sure.generate(PROMPTS, None, max_new_tokens=8)
+    finally:
+        sure.close()
+    assert [c.text for c in routed] == [c.text for c in named]
+    assert [c.text for c in routed] != [c.text for c in plain]
+    assert {(c.task, round(c.confidence, 4)) for c in routed} == {("math", 0.9)}
+
+    unsure = routed_lm(merged, constant_router(merged, [0.4, 0.6], threshold=0.5), threshold=0.7)
+    try:
+        abstained = unsure.generate(PROMPTS, [ROUTED] * 3, max_new_tokens=8)
+    finally:
+        unsure.close()
+    assert [c.text for c in abstained] == [c.text for c in plain]
+    assert {c.task for c in abstained} == {None}
+
+
+def test_soft_routing_mixes_the_corrections_by_the_routers_probabilities(merged: CorrectedLM) -> None:
+    lm = routed_lm(merged, constant_router(merged, [0.25, 0.75], threshold=0.5), soft_routing=True)
+    seen = []
+    # Read the weights the correction hooks apply while generating.
+    probe = lm.model.register_forward_pre_hook(lambda module, args: seen.append(lm._handle.task_weights.clone()))
+    try:
+        [completion] = lm.generate(PROMPTS[:1], [ROUTED], max_new_tokens=3)
+    finally:
+        probe.remove()
+        lm.close()
+    assert completion.task == "math"
+    assert seen and all(torch.allclose(w, torch.tensor([[0.25, 0.75]])) for w in seen)
+
+
+def test_a_router_must_match_the_corrections(merged: CorrectedLM) -> None:
+    d = merged.model.config.hidden_size
+    other = TaskRouter(("code", "poetry"), "final", torch.zeros(d), torch.ones(d), torch.zeros(2, d), torch.zeros(2))
+    with pytest.raises(DartsError, match="picks among tasks"):
+        routed_lm(merged, other)
+    with pytest.raises(DartsError, match="asks the task router, but this model has none"):
+        merged.generate(PROMPTS[:1], [ROUTED])
+
+
+def test_reserved_task_names_are_refused(tiny_family, tmp_path: Path) -> None:
+    path = write_run(tiny_family, tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["sources"]["experts"][0]["task"] = "merged"
+    path.write_text(yaml.safe_dump(config))
+    with pytest.raises(DartsError, match="'merged' is reserved"):
+        load_config(path)

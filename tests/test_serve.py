@@ -1,0 +1,300 @@
+"""`darts-dist serve` for real: a registered tiny model, the CLI in its own process, Ray Serve on a loopback port,
+and the official `openai` client against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import openai
+import pytest
+import torch
+import yaml
+from ray._common.utils import import_attr
+from ray.serve.deployment import Application
+from ray.serve.schema import ServeDeploySchema
+from test_generation import PROMPTS, TASKS, strong_corrections
+
+from darts_dist.config import parse_config
+from darts_dist.core import save_corrections
+from darts_dist.errors import DartsError
+from darts_dist.generation import CorrectedLM
+from darts_dist.pipeline import corrections_metadata
+from darts_dist.registry import DECISIVE_METRIC, log_pyfunc_model, register_version
+from darts_dist.router import ROUTED, fit_router, prompt_features
+from darts_dist.served import serve_settings
+from darts_dist.tracking import connect, environment, experiment_id
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "tiny-served"
+KEY = "test-key-123"
+LIMIT = 32  # serve.max_tokens_limit
+CODE = [f"def {name}(values, k={i}):" for i, name in enumerate(["scale", "shift", "clip", "norm", "pad", "mix"])]
+MATH = [f"Question: Ann has {i + 3} coins and finds {i} more. How many coins?\nAnswer:" for i in range(6)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def register_tiny_model(tiny_family, folder: Path) -> SimpleNamespace:
+    """A registry in `folder` holding version 1 of MODEL@champion: tiny merged model, strong corrections, a router
+    fit on code vs. word-problem prompts, and the run config whose serve section the server takes."""
+    merged_dir = folder / "merged"
+    shutil.copytree(tiny_family.base, merged_dir)
+    hidden_size = json.loads((merged_dir / "config.json").read_text())["hidden_size"]
+    corrections = save_corrections(folder / "corrections.safetensors", strong_corrections(hidden_size),
+                                   metadata=corrections_metadata(merged_dir))
+    with CorrectedLM.load(merged_dir) as plain:
+        features = prompt_features(plain.model, [plain.encode(p) for p in CODE + MATH], "final", plain._pad_id)
+    router = fit_router(features, torch.tensor([0] * len(CODE) + [1] * len(MATH)), TASKS, "final", threshold=0.5)
+    router_path = router.save(folder / "router.safetensors")
+    uri = f"sqlite:///{folder}/mlflow.db"
+    client = connect(uri)
+    run_id = client.create_run(experiment_id(client, uri, "serve-test")).info.run_id
+    config = parse_config({
+        "name": "served",
+        "sources": {"base": str(tiny_family.base),
+                    "experts": [{"task": t, "path": str(tiny_family.experts[t])} for t in TASKS]},
+        "tracking": {"registered_model": MODEL},
+        # A long batch wait, so that requests sent together are surely generated together.
+        "serve": {"max_tokens_limit": LIMIT, "max_batch_size": 8, "batch_wait_timeout_s": 0.3},
+    })
+    client.log_text(run_id, json.dumps(config.model_dump(mode="json")), "config.json")
+    client.log_metric(run_id, DECISIVE_METRIC, 1.0)
+    logged = log_pyfunc_model(uri, run_id, merged_dir, corrections, "code", router_path)
+    # MLflow's sqlite registry looks the logged model up in the process-wide tracking store.
+    with environment(MLFLOW_TRACKING_URI=uri):
+        register_version(client, MODEL, logged, run_id, "champion")
+    return SimpleNamespace(uri=uri, merged_dir=merged_dir, corrections=corrections, router=router_path)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_family, tmp_path_factory: pytest.TempPathFactory):
+    """`darts-dist serve models:/MODEL@champion` in its own process, until the last test stops it."""
+    folder = tmp_path_factory.mktemp("serve")
+    registry = register_tiny_model(tiny_family, folder)
+    port = free_port()
+    log_path = folder / "serve.log"
+    log = log_path.open("w")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registry.uri, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    # A session of its own: the test's Ctrl-C is not the server's, and a leftover group can be killed whole.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "darts_dist.cli", "serve", f"models:/{MODEL}@champion", "--port", str(port),
+         "--api-key", KEY], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None, log_path.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"{base}/healthz", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up in 240 s:\n" + log_path.read_text()[-4000:]
+            time.sleep(0.5)
+        lm = CorrectedLM.load(registry.merged_dir, registry.corrections, router_path=registry.router)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+        yield SimpleNamespace(base=base, port=port, process=process, log=log_path, client=client, lm=lm,
+                              registry=registry)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+
+
+def post(server, path: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dict]:
+    """A raw POST: status and JSON body, for requests the openai client would not send."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(f"{server.base}{path}", data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_models_lists_each_task_the_routed_and_the_merged_model(server) -> None:
+    ids = [model.id for model in server.client.models.list()]
+    assert ids == [f"{MODEL}:code", f"{MODEL}:math", MODEL, f"{MODEL}:merged"]
+
+
+@pytest.mark.parametrize("suffix, task", [(":code", "code"), (":math", "math"), (":merged", None), ("", ROUTED)])
+def test_greedy_completions_equal_darts_dists_own_generation(server, suffix: str, task: str | None) -> None:
+    prompts = [CODE[0], MATH[0]]
+    reply = server.client.completions.create(model=MODEL + suffix, prompt=prompts, max_tokens=12, temperature=0)
+    own = server.lm.generate(prompts, [task] * 2, max_new_tokens=12)
+    assert [c.text for c in reply.choices] == [c.text for c in own]
+    assert [c.finish_reason for c in reply.choices] == [c.finish_reason for c in own]
+    assert reply.usage.prompt_tokens == sum(c.prompt_tokens for c in own)
+    assert reply.usage.completion_tokens == sum(c.completion_tokens for c in own)
+    applied = [c.model_dump()["darts"]["task"] for c in reply.choices]
+    # The router sends the code prompt to code and the word problem to math.
+    assert applied == (["code", "math"] if task == ROUTED else [task, task])
+
+
+def test_chat_applies_the_chat_template(server) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 17 + 26?"}]
+    reply = server.client.chat.completions.create(model=f"{MODEL}:math", messages=messages, max_tokens=10,
+                                                  temperature=0)
+    [own] = server.lm.chat([messages], ["math"], max_new_tokens=10)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == own.text
+    assert reply.usage.prompt_tokens == own.prompt_tokens == len(server.lm.encode_chat(messages))
+
+
+def test_streams_add_up_to_the_unstreamed_reply(server) -> None:
+    options = {"model": f"{MODEL}:math", "prompt": CODE[0], "max_tokens": 16, "temperature": 0}
+    text = server.client.completions.create(**options).choices[0].text
+    # A stop string first met mid-reply: the stream must never run past it.
+    stop = next((text[i:i + 3] for i in range(len(text) // 2, 3, -1) if text.find(text[i:i + 3]) == i), None)
+    assert stop is not None, text
+    for stops in (None, [stop]):
+        whole = server.client.completions.create(**options, stop=stops)
+        chunks = list(server.client.completions.create(**options, stop=stops, stream=True,
+                                                       stream_options={"include_usage": True}))
+        pieces = [c.choices[0].text for c in chunks if c.choices]
+        assert len([p for p in pieces if p]) > 1  # it really streamed
+        assert "".join(pieces) == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.choices[0].text == text[: text.find(stop)]
+
+    messages = [{"role": "user", "content": "List three fruits."}]
+    reply = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                        stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
+
+
+def test_a_raw_stream_is_server_sent_events_ending_in_done(server) -> None:
+    body = json.dumps({"model": f"{MODEL}:math", "prompt": PROMPTS[1], "max_tokens": 4, "stream": True}).encode()
+    request = urllib.request.Request(f"{server.base}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.read().decode().split("\n\n") if line]
+    assert all(event.startswith("data: ") for event in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+def test_different_tasks_in_one_batch_each_get_their_own_correction(server) -> None:
+    tasks = {f"{MODEL}:code": "code", f"{MODEL}:math": "math", f"{MODEL}:merged": None}
+
+    def complete(model_id: str):
+        return server.client.completions.create(model=model_id, prompt=PROMPTS[2], max_tokens=10, temperature=0)
+
+    with ThreadPoolExecutor(len(tasks)) as pool:
+        replies = dict(zip(tasks, pool.map(complete, tasks)))
+    texts = set()
+    for model_id, task in tasks.items():
+        [own] = server.lm.generate(PROMPTS[2:], [task], max_new_tokens=10)
+        choice = replies[model_id].choices[0]
+        assert choice.text == own.text, model_id
+        assert choice.model_dump()["darts"] == {"task": task, "confidence": None, "batch_size": 3}
+        texts.add(choice.text)
+    assert len(texts) == 3  # the corrections really differ
+
+
+def test_seeded_sampling_is_reproducible(server) -> None:
+    options = {"model": f"{MODEL}:math", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 1.0, "top_p": 0.9}
+    first = server.client.completions.create(**options, seed=7).choices[0].text
+    assert server.client.completions.create(**options, seed=7).choices[0].text == first
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"model": f"{MODEL}:code", "prompt": ""}, 400, "prompt is empty"),
+    ("/v1/completions", {"model": f"{MODEL}:poetry", "prompt": "hi"}, 404, "does not exist"),
+    ("/v1/completions", {"model": f"{MODEL}:code", "prompt": "hi", "max_tokens": LIMIT + 1}, 400, "at most"),
+    ("/v1/completions", {"model": f"{MODEL}:code", "prompt": "word " * 600}, 400, "context is 512 tokens"),
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", {"model": f"{MODEL}:code", "prompt": [1, 2, 3]}, 400, "prompt"),
+    ("/v1/completions", {"model": f"{MODEL}:code", "prompt": "hi", "n": 2}, 400, "only n=1"),
+    ("/v1/completions", {"model": f"{MODEL}:code", "prompt": "hi", "temperature": 5}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": f"{MODEL}:code", "messages": []}, 400, "conversation is empty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+]
+
+
+def test_bad_requests_get_4xx_and_the_server_serves_on(server) -> None:
+    for path, body, status, message in BAD_REQUESTS:
+        got, reply = post(server, path, body)
+        assert got == status, (body, reply)
+        assert message in reply["error"]["message"], (body, reply)
+        assert reply["error"]["type"] == "invalid_request_error"
+    # The official client maps them to its own exceptions.
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="no-such-model", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=LIMIT + 1)
+    status, reply = post(server, "/v1/completions", {"model": f"{MODEL}:code", "prompt": "def f(x):", "max_tokens": 3})
+    assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_the_api_key_is_enforced(server) -> None:
+    wrong = openai.OpenAI(base_url=f"{server.base}/v1", api_key="not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    status, reply = post(server, "/v1/completions", {"model": f"{MODEL}:code", "prompt": "hi"}, key=None)
+    assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+    # Health checks need no key.
+    with urllib.request.urlopen(f"{server.base}/healthz", timeout=10) as response:
+        assert json.loads(response.read()) == {"status": "ok", "model": MODEL}
+
+
+def test_the_serve_deploy_yaml_is_valid_and_its_builder_builds_the_app(server) -> None:
+    schema = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "jobs" / "serve.yaml").read_text()))
+    [application] = schema.applications
+    builder = import_attr(application.import_path)
+    assert set(application.args) >= {"model"}
+    args = {"model": f"models:/{MODEL}/1", "tracking_uri": server.registry.uri,
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}
+    assert isinstance(builder(args), Application)
+    with pytest.raises(DartsError, match="autoscaling_config"):
+        builder({**args, "autoscaling_config": {"min_replicas": 3, "max_replicas": 1}})
+    with pytest.raises(DartsError, match="not in the registry"):
+        builder({**args, "model": f"models:/{MODEL}@nobody"})
+
+
+def test_serve_settings_layer_the_run_config_a_yaml_and_flags(tmp_path: Path) -> None:
+    run = parse_config({"sources": {"base": "b", "experts": [{"task": "code", "path": "e"}]},
+                        "serve": {"port": 9000, "max_batch_size": 4}})
+    assert (serve_settings(run).port, serve_settings(run).max_batch_size) == (9000, 4)
+    assert serve_settings(run, host="0.0.0.0", port=None).model_dump() == {
+        **run.serve.model_dump(), "host": "0.0.0.0"}
+    override = tmp_path / "other.yaml"
+    override.write_text(yaml.safe_dump({"sources": {"base": "b", "experts": [{"task": "code", "path": "e"}]},
+                                        "serve": {"routing": "soft"}}))
+    settings = serve_settings(run, override, port=8100)
+    assert (settings.routing, settings.port, settings.max_batch_size) == ("soft", 8100, 16)
+
+
+def test_ctrl_c_stops_the_server_cleanly(server) -> None:
+    """Last: it ends the module's server."""
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(timeout=90) == 0, server.log.read_text()[-3000:]
+    assert "server stopped" in server.log.read_text()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{server.base}/healthz", timeout=5)
