@@ -119,10 +119,20 @@ def _session(settings: TrackingSection, name: str, command: str) -> Iterator[Tra
 def _finish(report: dict, report_path: Path | None, default: Path, tracking: Tracking | None = None) -> None:
     from darts_dist.pipeline import write_report
 
+    if tracking is not None and tracking.offline is not None:
+        report.setdefault("tracking", {})["offline"] = tracking.offline
     path = write_report(report_path or default, report)
     console.print(f"report: {path}")
     if tracking is not None:
         tracking.log_json(tracking.run_id, report, "report.json")
+        if tracking.offline is not None:
+            kept = [str(p) for p in (report.get("corrections"),
+                                     report.get("calibration", {}).get("job", {}).get("checkpoint_path")) if p]
+            raise DartsError(
+                f"the MLflow store {tracking.uri} stopped answering during the run ({tracking.offline}); the "
+                f"results are complete ({', '.join(kept + [str(path)])}) but not all tracked, and nothing was registered",
+                f"once the store answers again: darts-dist register {path}  (logs what is missing, then registers)",
+            )
 
 
 def _print_registration(state: RunState) -> None:
@@ -245,8 +255,10 @@ def cmd_register(args: argparse.Namespace) -> None:
     from darts_dist.registry import register_run
     from darts_dist.tracking import connect, tracking_uri
 
-    run_id, configured = _registration_target(args.run)
+    run_id, configured, report_path = _registration_target(args.run)
     client = connect(tracking_uri(configured))
+    if report_path is not None:
+        _complete_offline_run(client, report_path)
     registration = register_run(client, run_id, name=args.name, alias=args.alias)
     console.print(f"registered: {registration.model_uri}; {registration.decision}")
     if args.report:
@@ -267,19 +279,39 @@ def cmd_serve(args: argparse.Namespace) -> None:
 REPORT_NAMES = ("report.json", "calibration.json")
 
 
-def _registration_target(target: str) -> tuple[str, str]:
-    """(run id, configured tracking URI) from a run id, or from the report in a run folder."""
+def _complete_offline_run(client, report_path: Path) -> None:
+    """A run whose store went away mid-way (its report says `offline`): log what it could not, first."""
+    import json
+
+    from darts_dist.pipeline import complete_tracking, write_report
+    from darts_dist.tracking import Tracking
+
+    report = json.loads(report_path.read_text())
+    tracked = report["tracking"]
+    if "offline" not in tracked:
+        return
+    tracking = Tracking(client=client, uri=client.tracking_uri, experiment_id=tracked["experiment_id"],
+                        run_id=tracked["run_id"], stages=dict(tracked["stage_runs"]))
+    complete_tracking(tracking, report)
+    if tracking.offline is not None:
+        raise DartsError(f"the MLflow store {tracking.uri} stopped answering again ({tracking.offline})",
+                         f"run `darts-dist register {report_path}` again once it answers")
+    write_report(report_path, report)  # no longer offline
+    console.print(f"tracked what the run could not log while the store was down ({report_path})")
+
+
+def _registration_target(target: str) -> tuple[str, str, Path | None]:
+    """(run id, configured tracking URI, report path or None) from a run id, a run folder or a report."""
     import json
 
     folder = Path(target)
-    if not folder.is_dir():
-        return target, TrackingSection().uri
-    for name in REPORT_NAMES:
-        path = folder / name
+    if not folder.exists():
+        return target, TrackingSection().uri, None
+    for path in [folder] if folder.is_file() else [folder / name for name in REPORT_NAMES]:
         if path.is_file():
             report = json.loads(path.read_text())
             if "run_id" in report.get("tracking", {}):
-                return report["tracking"]["run_id"], report["config"]["tracking"]["uri"]
+                return report["tracking"]["run_id"], report["config"]["tracking"]["uri"], path
     raise DartsError(f"{folder} holds no report of a tracked calibration ({' or '.join(REPORT_NAMES)})",
                      "pass the MLflow run id instead, or the folder a `calibrate` or `demo` run wrote")
 

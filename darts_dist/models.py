@@ -47,6 +47,7 @@ class ModelInfo:
     hidden_size: int
     num_layers: int
     vocab_size: int
+    max_positions: int | None = None  # the context the model was built for (max_position_embeddings)
     is_adapter: bool = False
 
 
@@ -154,6 +155,7 @@ def read_model_info(path: Path) -> ModelInfo:
             hidden_size=int(config.hidden_size),
             num_layers=int(config.num_hidden_layers),
             vocab_size=int(config.vocab_size),
+            max_positions=getattr(config, "max_position_embeddings", None),
         )
     except (OSError, ValueError, KeyError, AttributeError) as exc:
         raise DartsError(
@@ -161,6 +163,34 @@ def read_model_info(path: Path) -> ModelInfo:
             "repair or replace config.json (it needs model_type, architectures, hidden_size, "
             "num_hidden_layers and vocab_size)",
         ) from exc
+
+
+def check_weight_files(path: Path) -> None:
+    """Every safetensors file of a model folder has a readable header (cheap: no tensor is read)."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                weights.keys()
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
+            raise DartsError(f"{file} is not a readable safetensors file: {str(error).splitlines()[0][:200]}",
+                             "replace the file with a complete copy of the model's weights") from None
+
+
+def non_finite_tensors(path: Path, limit: int = 3) -> list[str]:
+    """Up to `limit` names of a model folder's tensors holding NaN or infinite values (reads every tensor)."""
+    from safetensors import safe_open
+
+    found = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            for name in weights.keys():
+                if not torch.isfinite(weights.get_tensor(name)).all():
+                    found.append(f"{file.name}:{name}")
+                    if len(found) == limit:
+                        return found
+    return found
 
 
 def _adapter_base(adapter_dir: Path) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from darts_dist.evaluate import evaluate_task, overall
 from darts_dist.fsutil import atomic_file
 from darts_dist.generation import load_corrections_for
 from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
-from darts_dist.models import content_hash, load_causal_lm, load_tokenizer, read_model_info
+from darts_dist.models import content_hash, load_causal_lm, load_tokenizer, non_finite_tensors, read_model_info
 from darts_dist.placement import placement_tags
 from darts_dist.plots import plot_bias_by_position, plot_entropy_weights, plot_loss
 from darts_dist.registry import (
@@ -81,7 +82,19 @@ def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:
     if written.is_file() and yaml.safe_load(written.read_text()) == mergekit_config:
         print(f"merge: reusing {out_dir} (same mergekit config)")
         return out_dir
-    return run_merge(mergekit_config, out_dir, overwrite=True)
+    merged = run_merge(mergekit_config, out_dir, overwrite=True)
+    # NaN or inf weights in a source pass through the merge and would poison every later number.
+    bad = non_finite_tensors(merged)
+    if bad:
+        shutil.rmtree(merged)
+        if not any(merged.parent.iterdir()):  # the run folder this merge started
+            merged.parent.rmdir()
+        culprits = {role: non_finite_tensors(path, limit=1)
+                    for role, path in {"base": sources.base, **sources.experts}.items()}
+        named = "; ".join(f"{role}: {found[0]}" for role, found in culprits.items() if found) or "none of them alone"
+        raise DartsError(f"the merged model has NaN or infinite weights ({', '.join(bad)}); from the sources: {named}",
+                         "replace the source model named above with a finite copy of its weights")
+    return merged
 
 
 def tokenized(config: RunConfig, sources: ResolvedSources, task: str, split: str, tokenizer) -> TokenizedSet:
@@ -256,6 +269,9 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
     return RunState(config=config, sources=sources, merged_dir=merged_dir, report=report, tracking=tracking)
 
 
+CALIBRATION_PLOTS = ("loss", "entropy_weights")  # the calibration run's PNGs, by their name in the report
+
+
 def run_calibration(state: RunState) -> Path:
     """calibrate (on Ray or in-process, as `cluster.executor` says), save the corrections and the plots
     (tracked: per-step metrics too); returns the corrections' path."""
@@ -300,16 +316,42 @@ def run_calibration(state: RunState) -> Path:
     state.report["plots"].update({name: str(path) for name, path in plots.items()})
     if tracking is not None:
         on_step.flush()
-        summary = {k: state.report["calibration"][k] for k in ("first_loss", "final_loss", "train_seconds")}
-        if outcome.job is not None:
-            summary |= {f"job.{group}.{name}": value for group in ("stream", "seconds")
-                        for name, value in outcome.job[group].items()}
-            tracking.set_tags(run_id, {"darts.ray_run_id": outcome.job["run_id"],
-                                       "darts.checkpoint": outcome.job["checkpoint_path"],
-                                       **placement_tags(outcome.job["placement"])})
-        log_calibration(tracking, run_id, config, state.merged_dir, outcome.corrections_path,
-                        read_header(outcome.corrections_path), plots, summary)
+        track_calibration(tracking, run_id, config, state.report)
     return outcome.corrections_path
+
+
+def track_calibration(tracking: Tracking, run_id: str, config: RunConfig, report: dict) -> None:
+    """The calibration's summary metrics, corrections, plots and (on Ray) job tags, from the run's report."""
+    calibration = report["calibration"]
+    summary = {k: calibration[k] for k in ("first_loss", "final_loss", "train_seconds")}
+    job = calibration.get("job")
+    if job is not None:
+        summary |= {f"job.{group}.{name}": value for group in ("stream", "seconds") for name, value in job[group].items()}
+        tracking.set_tags(run_id, {"darts.ray_run_id": job["run_id"], "darts.checkpoint": job["checkpoint_path"],
+                                   **placement_tags(job["placement"])})
+    corrections = Path(report["corrections"])
+    plots = {name: Path(report["plots"][name]) for name in CALIBRATION_PLOTS}
+    log_calibration(tracking, run_id, config, Path(report["merged"]), corrections, read_header(corrections), plots,
+                    summary)
+
+
+def complete_tracking(tracking: Tracking, report: dict) -> None:
+    """Log what a run could not while its MLflow store was down, from its report: the per-step losses
+    the store missed, the calibration's results and the evaluation; then mark its runs finished."""
+    config = RunConfig.model_validate(report["config"])
+    run_id = tracking.stages.get("calibration") or tracking.start_stage(
+        "calibration", system_tags(config, "unknown", executor=report["calibration"]["executor"]))
+    logged = {m.step for m in tracking.client.get_metric_history(run_id, "loss")}
+    tracking.log_points(run_id, [("loss", loss, step) for step, loss in enumerate(report["calibration"]["losses"], 1)
+                                 if step not in logged])
+    track_calibration(tracking, run_id, config, report)
+    if "variants" in report:
+        log_evaluation(tracking, run_id, report["variants"]["darts"],
+                       {"bias_by_position": Path(report["plots"]["bias_by_position"])})
+    report["tracking"].pop("offline", None)
+    tracking.log_json(tracking.run_id, report, "report.json")
+    for run in [*tracking.stages.values(), tracking.run_id]:
+        tracking.client.set_terminated(run, "FINISHED")
 
 
 def has_heldout(state: RunState) -> bool:
@@ -347,8 +389,8 @@ def register_calibration(state: RunState) -> Registration | None:
     and the decision about it.
     """
     tracking = state.tracking
-    if tracking is None:
-        return None
+    if tracking is None or tracking.offline is not None:
+        return None  # the store went away: `darts-dist register RUN_DIR` registers it once it is back
     run_id = tracking.stages["calibration"]
     config = state.config
     if not accepted(state.report["calibration"]["losses"]):

@@ -17,7 +17,15 @@ from darts_dist.demo_tasks import DEMO_TASKS, make_demo_data
 from darts_dist.errors import DartsError
 from darts_dist.experts import make_experts
 from darts_dist.fsutil import cache_root
-from darts_dist.models import BUNDLED_MODEL, bundled_model_dir, check_compatible, materialize_adapter, read_model_info
+from darts_dist.models import (
+    BUNDLED_MODEL,
+    ModelInfo,
+    bundled_model_dir,
+    check_compatible,
+    check_weight_files,
+    materialize_adapter,
+    read_model_info,
+)
 from darts_dist.tiny import make_tiny_family
 
 
@@ -107,5 +115,18 @@ def resolve_sources(config: RunConfig) -> ResolvedSources:
         task: materialize_adapter(path, base) if (path / "adapter_config.json").is_file() else path
         for task, path in experts.items()
     }
-    check_compatible(read_model_info(base), {task: read_model_info(path) for task, path in experts.items()})
+    base_info = read_model_info(base)
+    check_compatible(base_info, {task: read_model_info(path) for task, path in experts.items()})
+    check_context(config, base_info)
+    for path in (base, *experts.values()):
+        check_weight_files(path)
     return ResolvedSources(base=base, experts=experts, data=data)
+
+
+def check_context(config: RunConfig, base: ModelInfo) -> None:
+    """Calibration sequences must fit the model's context (positions beyond it were never trained)."""
+    length = config.calibration.max_length
+    if base.max_positions is not None and length > base.max_positions:
+        raise DartsError(f"calibration.max_length={length} is longer than the model's context "
+                         f"({base.max_positions} positions, {base.path})",
+                         f"set calibration.max_length to at most {base.max_positions}")

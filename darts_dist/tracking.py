@@ -11,11 +11,13 @@ taken from the current folder, with its artifacts in `mlartifacts/` next to it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,8 @@ from darts_dist.core import BUCKET_LABELS, POSITION_BUCKETS
 from darts_dist.errors import DartsError
 from darts_dist.models import content_hash
 
+logger = logging.getLogger(__name__)
+
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 SQLITE_PREFIX = "sqlite:///"
 ARTIFACT_FOLDER = "mlartifacts"
@@ -40,6 +44,10 @@ _PARAM_VALUE_LIMIT = 6000
 _CHECK_TIMEOUT_S = "5"
 # Per-step metrics are sent in batches: one request per step would dominate a fast step.
 _STEPS_PER_FLUSH = 50
+_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch request
+_MAX_PENDING = 100_000  # step metrics kept while the store is down (the report keeps every loss anyway)
+# A store that stops answering mid-run costs each request seconds, not MLflow's default minutes of back-off.
+_QUICK_REQUESTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 STAGE_TAG = "darts.stage"
 CORRECTIONS_TAG = "darts.corrections"
 MERGED_DIR_TAG = "darts.merged_dir"
@@ -124,12 +132,17 @@ class StepLogger:
     """Per-step metrics of one run, sent in batches; a callable for `calibrate_in_process(on_step=...)`.
 
     Built from two strings so a Ray Train worker can rebuild it; call `flush` after the last step.
+    A store that stops answering never stops the training: the metrics stay pending (up to
+    `_MAX_PENDING`) and go with the next flush that gets through. What never does is still in the
+    run's report and checkpoint (its losses), and `darts-dist register RUN_DIR` logs it later.
     """
 
     def __init__(self, uri: str, run_id: str) -> None:
         self.uri = uri
         self.run_id = run_id
         self._pending: list[Metric] = []
+        self._failing = False  # warned about the store already
+        self._unsent_steps = 0
 
     def __getstate__(self) -> dict[str, str]:
         return {"uri": self.uri, "run_id": self.run_id}
@@ -140,25 +153,75 @@ class StepLogger:
     def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
         self._pending += [Metric(key, float(value), now, step) for key, value in metrics.items()]
-        if len(self._pending) >= _STEPS_PER_FLUSH * max(len(metrics), 1):
+        self._unsent_steps += 1
+        # While the store is down this tries again every _STEPS_PER_FLUSH steps, not every step.
+        if self._unsent_steps >= _STEPS_PER_FLUSH:
+            self._unsent_steps = 0
             self.flush()
 
-    def flush(self) -> None:
-        if self._pending:
-            MlflowClient(tracking_uri=self.uri).log_batch(self.run_id, metrics=self._pending)
-            self._pending = []
+    def flush(self) -> bool:
+        """Send the pending metrics; False (and they stay pending) when the store does not answer."""
+        start = 0
+        try:
+            for start in range(0, len(self._pending), _METRICS_PER_BATCH):
+                with environment(**_QUICK_REQUESTS):
+                    MlflowClient(tracking_uri=self.uri).log_batch(
+                        self.run_id, metrics=self._pending[start: start + _METRICS_PER_BATCH])
+        except Exception as error:  # noqa: BLE001 - any failure of the store; training goes on
+            self._pending = self._pending[start:][-_MAX_PENDING:]
+            if not self._failing:
+                logger.warning("MLflow store %s did not take step metrics (%s); keeping them and going on",
+                               self.uri, str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
+            self._failing = True
+            return False
+        self._pending, self._failing = [], False
+        return True
+
+
+def reachable(uri: str) -> bool:
+    try:
+        connect(uri)
+    except DartsError:
+        return False
+    return True
+
+
+def _store_call(method: Callable) -> Callable:
+    """A Tracking method that survives the store going away: the first failure while the store does not
+    answer turns the session offline, and from then on every call does nothing. The command still
+    finishes its work; it then says so and how to log the rest (`darts-dist register RUN_DIR`)."""
+
+    @functools.wraps(method)
+    def call(self: Tracking, *args: Any, **kwargs: Any) -> Any:
+        if self.offline is not None:
+            return None
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:
+            if reachable(self.uri):
+                raise  # the store answers: a real error, not an outage
+            self.offline = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+            logger.warning("MLflow store %s stopped answering (%s): the run goes on without tracking", self.uri,
+                           self.offline)
+            return None
+
+    return call
 
 
 @dataclass
 class Tracking:
-    """One command's MLflow session: its parent run and the nested run of each stage."""
+    """One command's MLflow session: its parent run and the nested run of each stage.
+
+    `offline` is None while the store answers, else why it stopped (see `_store_call`)."""
 
     client: MlflowClient
     uri: str
     experiment_id: str
     run_id: str
     stages: dict[str, str] = field(default_factory=dict)
+    offline: str | None = None
 
+    @_store_call
     def start_stage(self, stage: str, tags: Mapping[str, object] | None = None) -> str:
         """A nested run for `stage` (merge, calibration, evaluation), tied to the parent run."""
         tags = {MLFLOW_PARENT_RUN_ID: self.run_id, STAGE_TAG: stage, **{k: str(v) for k, v in (tags or {}).items()}}
@@ -166,26 +229,32 @@ class Tracking:
         self.stages[stage] = run.info.run_id
         return run.info.run_id
 
+    @_store_call
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         items = [Param(key, value) for key, value in flatten(params).items()]
         for start in range(0, len(items), _PARAMS_PER_BATCH):
             self.client.log_batch(run_id, params=items[start: start + _PARAMS_PER_BATCH])
 
+    @_store_call
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
         self.log_points(run_id, [(key, value, step) for key, value in metrics.items()])
 
+    @_store_call
     def log_points(self, run_id: str, points: Sequence[tuple[str, float, int]]) -> None:
         """(metric, value, step) triples in one request; non-finite values (undefined results) are left out."""
         now = int(time.time() * 1000)
         metrics = [Metric(key, float(value), now, step) for key, value, step in points if math.isfinite(value)]
         self.client.log_batch(run_id, metrics=metrics)
 
+    @_store_call
     def set_tags(self, run_id: str, tags: Mapping[str, object]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    @_store_call
     def log_file(self, run_id: str, path: Path, folder: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), folder)
 
+    @_store_call
     def log_json(self, run_id: str, data: Any, name: str) -> None:
         self.client.log_text(run_id, json.dumps(data, indent=2, default=str), name)
 
@@ -203,12 +272,15 @@ def session(settings: TrackingSection, name: str, command: str) -> Iterator[Trac
     tracking = Tracking(client=client, uri=uri, experiment_id=experiment, run_id=run.info.run_id)
     status = "FAILED"
     try:
-        yield tracking
+        with environment(**_QUICK_REQUESTS):
+            yield tracking
         status = "FINISHED"
     finally:
-        for run_id in [*tracking.stages.values(), tracking.run_id]:
+        # A session whose store went away leaves its runs open: `darts-dist register` closes them later.
+        for run_id in [] if tracking.offline else [*tracking.stages.values(), tracking.run_id]:
             try:
-                client.set_terminated(run_id, status)
+                with environment(**_QUICK_REQUESTS):
+                    client.set_terminated(run_id, status)
             except Exception:
                 # After a failure, that failure is the error to report, not a store gone with it.
                 if status == "FINISHED":

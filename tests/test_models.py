@@ -69,7 +69,7 @@ def test_read_model_info_of_the_tiny_base(tiny_family):
     info = read_model_info(tiny_family.base)
     assert info == ModelInfo(
         path=tiny_family.base, architecture="LlamaForCausalLM", model_type="llama",
-        hidden_size=64, num_layers=4, vocab_size=512,
+        hidden_size=64, num_layers=4, vocab_size=512, max_positions=512,
     )
 
 

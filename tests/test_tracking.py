@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,51 +19,19 @@ from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
 from darts_dist.registry import DECISION_TAG, DECISIVE_METRIC, MODEL_URI_TAG, VERSION_TAG, register_version
 from darts_dist.tracking import connect, experiment_id, tracking_uri
+from mlflow_server import free_port, mlflow_server
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-darts"
 STEPS = 6
 PROMPT, TASK = "def add(a, b):", "code"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     """mlflow/server.sh on a free loopback port, with its data in a temporary folder."""
-    data = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    env = {**os.environ, "DARTS_MLFLOW_DATA": str(data), "DARTS_MLFLOW_PORT": str(port), "DARTS_MLFLOW_WORKERS": "1"}
-    log = (data / "server.log").open("w")
-    # A session of its own, so the server's worker processes are stopped with it.
-    process = subprocess.Popen(["bash", str(REPO / "mlflow" / "server.sh")], env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (data / "server.log").read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server did not come up in 120 s"
-            time.sleep(0.3)
-        yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=3)  # the data is throwaway: no need to wait for a slow graceful exit
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-server"), port):
+        yield f"http://127.0.0.1:{port}"
 
 
 def write_config(tiny_family, folder: Path) -> Path:
