@@ -191,7 +191,8 @@ def cmd_merge(args: argparse.Namespace) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
 
-    config = _with_executor(_with_output_dir(load_config(args.config), args.output_dir), args)
+    config = _with_score_limit(_with_executor(_with_output_dir(load_config(args.config), args.output_dir), args),
+                               args.score_limit)
     with _session(config.tracking, config.name, "calibrate") as tracking:
         state = prepare(config, tracking)
         corrections = run_calibration(state)
@@ -222,7 +223,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import prepare, register_calibration, run_calibration, run_evaluation
 
     name = "tiny" if args.tiny else "demo"
-    config = _with_executor(_with_output_dir(load_config(packaged_config(name)), args.output_dir), args)
+    config = _with_score_limit(
+        _with_executor(_with_output_dir(load_config(packaged_config(name)), args.output_dir), args), args.score_limit)
     if args.steps is not None:
         config = config.model_copy(update={"calibration": config.calibration.model_copy(update={"steps": args.steps})})
     console.print(f"darts-dist demo ({name}): run folder {config.run_dir}")
@@ -274,6 +276,26 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                    router=args.router, name=args.name)
     settings = serve_settings(config, args.config, host=args.host, port=args.port)
     run_foreground(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None, say=console.print)
+
+
+def cmd_serve_deploy(args: argparse.Namespace) -> None:
+    import ray
+
+    from darts_dist.serve import API_KEY_ENV, start
+    from darts_dist.served import resolve_model, serve_settings
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise DartsError("serve-deploy deploys onto a running Ray cluster, and none was named",
+                         "pass --address HOST:PORT or set RAY_ADDRESS (a Ray job has it set: `ray job submit ... -- "
+                         "python jobs/run.py serve-deploy MODEL_URI`); `darts-dist serve` serves from this machine")
+    source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
+                                   router=args.router, name=args.name)
+    settings = serve_settings(config, args.config, host=args.host, port=args.port)
+    ray.init(address=address)
+    url = start(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None)
+    console.print(f"deployed {source.name} at {url}; it keeps serving on the cluster after this command "
+                  "(`serve shutdown` removes it)")
 
 
 REPORT_NAMES = ("report.json", "calibration.json")
@@ -352,18 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("config", type=Path)
 
     serve = command("serve", "serve a model behind an OpenAI-compatible API (Ray Serve) until Ctrl-C", cmd_serve)
-    serve.add_argument("model", metavar="MODEL_URI",
+    deploy = command("serve-deploy", "deploy the same app onto a running Ray cluster and return (a Ray job's entry)",
+                     cmd_serve_deploy)
+    deploy.add_argument("--address", default=None, help="the cluster (default: RAY_ADDRESS, which a Ray job sets)")
+    for p in (serve, deploy):
+        p.add_argument("model", metavar="MODEL_URI",
                        help="models:/NAME@ALIAS, models:/NAME/VERSION, a run folder, or a merged model folder")
-    serve.add_argument("--host", default=None, help="address to bind (default: serve.host, 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $DARTS_DIST_API_KEY)")
-    serve.add_argument("--config", type=Path, default=None,
+        p.add_argument("--host", default=None, help="address to bind (default: serve.host, 127.0.0.1)")
+        p.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
+        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $DARTS_DIST_API_KEY)")
+        p.add_argument("--config", type=Path, default=None,
                        help="a darts-dist YAML whose serve section to use (default: the model's own run config)")
-    serve.add_argument("--tracking-uri", default=None, help="the registry for models:/ URIs (default: "
+        p.add_argument("--tracking-uri", default=None, help="the registry for models:/ URIs (default: "
                        "MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
-    serve.add_argument("--name", default=None, help="model name in the served ids (default: the registered name)")
-    serve.add_argument("--corrections", type=Path, default=None, help="corrections file, for a merged model folder")
-    serve.add_argument("--router", type=Path, default=None, help="router file, for a merged model folder")
+        p.add_argument("--name", default=None, help="model name in the served ids (default: the registered name)")
+        p.add_argument("--corrections", type=Path, default=None, help="corrections file, for a merged model folder")
+        p.add_argument("--router", type=Path, default=None, help="router file, for a merged model folder")
 
     ablate = command("ablate", "the ablation table: merged, Surgery, +entropy, +position, DARTS, per merge method",
                      cmd_ablate)
@@ -376,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share of the calibration data held back for tuning (default: the config's, else 0.2)")
     ablate.add_argument("--select", default="nll_gap_closed",
                         help="validation metric tuning maximises (default nll_gap_closed)")
-    for p in (evaluate, ablate):
+    for p in (demo, calibrate, evaluate, ablate):
         p.add_argument("--score-limit", default=None, metavar="N|all",
                        help="task-score problems per task (default: evaluation.score_limit; 0: none)")
     for p in (demo, calibrate, evaluate, ablate):

@@ -107,3 +107,12 @@ def test_the_job_entry_point_forwards_to_the_command_line(tmp_path: Path) -> Non
     result = subprocess.run([sys.executable, "jobs/run.py", "nonsense"], cwd=REPO, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 2 and "usage:" in result.stderr
+
+
+def test_serve_deploy_needs_a_cluster_to_deploy_onto(monkeypatch, capsys) -> None:
+    from darts_dist.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["serve-deploy", "models:/anything@champion"]) == 2
+    err = capsys.readouterr().err
+    assert "running Ray cluster" in err and "jobs/run.py serve-deploy" in err
