@@ -186,15 +186,16 @@ def task_prompts(
 
 
 def _labelled_features(
-    config: RunConfig, sources: ResolvedSources, split: str, model: PreTrainedModel,
+    config: RunConfig, prompts: dict[str, list[list[int]]], model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase, layer: LayerKey,
 ) -> tuple[Tensor, Tensor]:
+    """Pooled features of every task's prompts, with the task's index as the label."""
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     features, labels = [], []
     for index, task in enumerate(config.tasks):
-        prompts = task_prompts(config, sources, task, split, tokenizer)
-        features.append(prompt_features(model, prompts, layer, pad_id, config.calibration.batch_size))
-        labels.append(torch.full((len(prompts),), index, dtype=torch.long))
+        if prompts[task]:
+            features.append(prompt_features(model, prompts[task], layer, pad_id, config.calibration.batch_size))
+            labels.append(torch.full((len(prompts[task]),), index, dtype=torch.long))
     return torch.cat(features), torch.cat(labels)
 
 
@@ -205,26 +206,29 @@ def _accuracy(router: TaskRouter, features: Tensor, labels: Tensor) -> float:
 def fit_run_router(config: RunConfig, sources: ResolvedSources, merged_dir: Path, layer: LayerKey) -> dict[str, Any]:
     """Fit the router on the run's calibration prompts, save RUN_DIR/router.safetensors, and report it.
 
-    With held-out data for every task the report has `accuracy` (top task = true task, whatever the
+    With held-out data (of any task) the report has `accuracy` (top task = true task, whatever the
     confidence), `per_task`, and `below_threshold` (the share of held-out prompts that would get no
     correction).
     """
     settings = config.calibration
-    device = resolve_device(settings.device)
+    path = config.run_dir / ROUTER_FILE
     tokenizer = load_tokenizer(merged_dir)
+    train = {task: task_prompts(config, sources, task, "calibration", tokenizer) for task in config.tasks}
+    device = resolve_device(settings.device)
     model = load_causal_lm(merged_dir, dtype=model_dtype(settings.dtype, device), device=device)
-    features, labels = _labelled_features(config, sources, "calibration", model, tokenizer, layer)
+    features, labels = _labelled_features(config, train, model, tokenizer, layer)
     router = fit_router(features, labels, config.tasks, layer, threshold=config.serve.router_threshold)
     train_accuracy = _accuracy(router, features, labels)
-    path = router.save(config.run_dir / ROUTER_FILE, metadata={"train_accuracy": train_accuracy,
-                                                               "train_prompts": len(labels)})
+    router.save(path, metadata={"train_accuracy": train_accuracy, "train_prompts": len(labels)})
     report: dict[str, Any] = {"path": str(path), "layer": layer, "threshold": router.threshold,
                               "train_accuracy": train_accuracy}
-    if all(sources.data[task].heldout is not None for task in config.tasks):
-        features, labels = _labelled_features(config, sources, "heldout", model, tokenizer, layer)
-        routing = router.route(features)
+    heldout = {task: task_prompts(config, sources, task, "heldout", tokenizer)
+               for task in config.tasks if sources.data[task].heldout is not None}
+    if any(heldout.values()):
+        features, labels = _labelled_features(config, {t: heldout.get(t, []) for t in config.tasks}, model,
+                                              tokenizer, layer)
         report["accuracy"] = _accuracy(router, features, labels)
         report["per_task"] = {task: _accuracy(router, features[labels == i], labels[labels == i])
-                              for i, task in enumerate(config.tasks)}
-        report["below_threshold"] = float((routing.task < 0).float().mean())
+                              for i, task in enumerate(config.tasks) if heldout.get(task)}
+        report["below_threshold"] = float((router.route(features).task < 0).float().mean())
     return report

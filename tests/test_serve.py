@@ -33,7 +33,7 @@ from darts_dist.generation import CorrectedLM
 from darts_dist.pipeline import corrections_metadata
 from darts_dist.registry import DECISIVE_METRIC, log_pyfunc_model, register_version
 from darts_dist.router import ROUTED, fit_router, prompt_features
-from darts_dist.served import serve_settings
+from darts_dist.served import resolve_model, serve_settings
 from darts_dist.tracking import connect, environment, experiment_id
 
 REPO = Path(__file__).resolve().parents[1]
@@ -289,6 +289,28 @@ def test_serve_settings_layer_the_run_config_a_yaml_and_flags(tmp_path: Path) ->
                                         "serve": {"routing": "soft"}}))
     settings = serve_settings(run, override, port=8100)
     assert (settings.routing, settings.port, settings.max_batch_size) == ("soft", 8100, 16)
+
+
+def test_a_run_folder_or_model_folder_resolves_to_its_files(server, tmp_path: Path) -> None:
+    registry = server.registry
+    config = parse_config({"name": "local", "sources": {"base": "b", "experts": [{"task": t, "path": "e"} for t in TASKS]}})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(registry.router, run_dir / "router.safetensors")
+    (run_dir / "calibration.json").write_text(json.dumps({
+        "config": config.model_dump(mode="json"), "merged": str(registry.merged_dir),
+        "corrections": str(registry.corrections)}))
+    source, run_config = resolve_model(str(run_dir))
+    assert (source.name, run_config) == ("darts-dist-local", config)
+    assert (source.files.merged_dir, source.files.corrections, source.files.router) == (
+        registry.merged_dir, registry.corrections, run_dir / "router.safetensors")
+    source, run_config = resolve_model(str(registry.merged_dir), corrections=registry.corrections, name="mine")
+    assert (source.name, source.files.corrections, source.files.router, run_config) == (
+        "mine", registry.corrections, None, None)
+    with pytest.raises(DartsError, match="neither a model folder"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(DartsError, match="missing"):
+        resolve_model(str(registry.merged_dir), corrections=tmp_path / "gone.safetensors")
 
 
 def test_ctrl_c_stops_the_server_cleanly(server) -> None:
