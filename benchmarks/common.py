@@ -7,6 +7,7 @@ Every benchmark prints one JSON line per result with at least `name`, `value`, `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -67,8 +68,10 @@ def demo_setup(name: str, args: argparse.Namespace, **cluster: object) -> tuple[
     })
     out = cache_root() / "benchmarks" / ("tiny" if args.tiny else "demo")
     config = config.model_copy(update={"output_dir": out, "calibration": settings, "cluster": cluster_settings})
-    sources = resolve_sources(config)
-    return config, sources, merge_stage(config, sources)
+    # stdout carries only the results' JSON lines; the stages' own messages go with the progress.
+    with contextlib.redirect_stdout(sys.stderr):
+        sources = resolve_sources(config)
+        return config, sources, merge_stage(config, sources)
 
 
 def calibration_sets(config: RunConfig, sources: ResolvedSources) -> dict[str, TokenizedSet]:
