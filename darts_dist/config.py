@@ -197,6 +197,13 @@ class ServeSection(_Section):
     # "soft" mixes the corrections with the router's probabilities instead of taking the top task.
     router_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
     routing: Literal["hard", "soft"] = "hard"
+    # Slow or oversized requests must not tie up a replica: a body above max_request_bytes gets 413 (refused
+    # on its Content-Length before any of it is read), a body not fully arrived after body_timeout_s gets 408,
+    # and Serve's proxy answers 408 to a request still unanswered after request_timeout_s, or cuts a stream
+    # still running then, a stalled reader's too (null: no limit).
+    max_request_bytes: PositiveInt = 1024 * 1024
+    body_timeout_s: float = Field(default=30.0, gt=0.0)
+    request_timeout_s: float | None = Field(default=600.0, gt=0.0)
 
 
 class RunConfig(_Section):

@@ -164,6 +164,34 @@ async def _merged(streams: Sequence[AsyncIterator[Event]]) -> AsyncIterator[tupl
             task.cancel()
 
 
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The request body, refused with 413 once it exceeds `limit` bytes and with 408 if it has not fully arrived
+    within `timeout_s`.
+
+    A declared Content-Length above the limit is refused before any of the body is read; a chunked body is read
+    piece by piece and refused as soon as it passes the limit, so neither is ever held whole in memory.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for piece in request.stream():
+                body += piece
+                if len(body) > limit:
+                    raise _too_large(limit)
+    except TimeoutError:
+        # A client trickling its body would otherwise hold one of the replica's max_ongoing_requests slots.
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", code="request_timeout") from None
+    return bytes(body)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                    "(serve.max_request_bytes)", code="request_too_large")
+
+
 api = FastAPI(title="darts-dist", docs_url=None, redoc_url=None, openapi_url=None)
 
 
@@ -211,7 +239,7 @@ class DartsServer:
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
         self.authorize(request)
-        body = parse(CompletionRequest, await request.body())
+        body = parse(CompletionRequest, await self.body(request))
         task = self.task(body.model)
         encoded = [self.lm.encode(prompt) for prompt in body.prompts]
         return await self.respond(body, task, encoded, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, chat=False)
@@ -219,7 +247,7 @@ class DartsServer:
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
         self.authorize(request)
-        body = parse(ChatRequest, await request.body())
+        body = parse(ChatRequest, await self.body(request))
         task = self.task(body.model)
         try:
             encoded = [self.lm.encode_chat(body.conversation)]
@@ -236,6 +264,9 @@ class DartsServer:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
+
+    async def body(self, request: Request) -> bytes:
+        return await read_body(request, self.settings.max_request_bytes, self.settings.body_timeout_s)
 
     def task(self, model_id: str) -> str | None:
         if model_id not in self.ids:
@@ -367,7 +398,9 @@ def start(source: ModelSource, settings: ServeSection, api_key: str | None = Non
 
     Returns once every replica has loaded the model.
     """
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    # request_timeout_s: the proxy answers 408 to a request still unanswered then (its own end-to-end bound).
+    serve.start(http_options={"host": settings.host, "port": settings.port,
+                              "request_timeout_s": settings.request_timeout_s})
     serve.run(build_app(source, settings, api_key), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{settings.host}:{settings.port}/v1"
 

@@ -36,10 +36,15 @@ from darts_dist.router import ROUTED, fit_router, prompt_features
 from darts_dist.served import resolve_model, serve_settings
 from darts_dist.tracking import connect, environment, experiment_id
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import serve_load  # noqa: E402  (benchmarks/ is no package; its run_load needs no model set-up)
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-served"
 KEY = "test-key-123"
 LIMIT = 32  # serve.max_tokens_limit
+MAX_BYTES = 64 * 1024  # serve.max_request_bytes
+BODY_TIMEOUT = 8.0  # serve.body_timeout_s
 CODE = [f"def {name}(values, k={i}):" for i, name in enumerate(["scale", "shift", "clip", "norm", "pad", "mix"])]
 MATH = [f"Question: Ann has {i + 3} coins and finds {i} more. How many coins?\nAnswer:" for i in range(6)]
 
@@ -70,8 +75,10 @@ def register_tiny_model(tiny_family, folder: Path) -> SimpleNamespace:
         "sources": {"base": str(tiny_family.base),
                     "experts": [{"task": t, "path": str(tiny_family.experts[t])} for t in TASKS]},
         "tracking": {"registered_model": MODEL},
-        # A long batch wait, so that requests sent together are surely generated together.
-        "serve": {"max_tokens_limit": LIMIT, "max_batch_size": 8, "batch_wait_timeout_s": 0.3},
+        # A long batch wait, so that requests sent together are surely generated together; small body limits,
+        # so that the tests of oversized and slow bodies are quick.
+        "serve": {"max_tokens_limit": LIMIT, "max_batch_size": 8, "batch_wait_timeout_s": 0.3,
+                  "max_request_bytes": MAX_BYTES, "body_timeout_s": BODY_TIMEOUT},
     })
     client.log_text(run_id, json.dumps(config.model_dump(mode="json")), "config.json")
     client.log_metric(run_id, DECISIVE_METRIC, 1.0)
@@ -311,6 +318,89 @@ def test_a_run_folder_or_model_folder_resolves_to_its_files(server, tmp_path: Pa
         resolve_model(str(tmp_path))
     with pytest.raises(DartsError, match="missing"):
         resolve_model(str(registry.merged_dir), corrections=tmp_path / "gone.safetensors")
+
+
+def raw_exchange(server, head: str, body: bytes = b"", timeout: float = 60) -> tuple[int, dict]:
+    """Send a request's head (and part of its body) on a raw socket, then read the whole reply: status, JSON body."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as sock:
+        try:
+            sock.sendall(head.encode() + b"\r\n" + body)
+        except OSError:  # the server may answer and close before all of an oversized body is sent
+            pass
+        reply = b""
+        while piece := sock.recv(65536):
+            reply += piece
+    status_line, _, rest = reply.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def request_head(length: int | None, chunked: bool = False) -> str:
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}"
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\n{framing}\r\nConnection: close\r\n")
+
+
+def test_oversized_bodies_get_413_and_the_server_serves_on(server) -> None:
+    # A declared size above the limit is refused at once: the server never waits for the 100 MiB.
+    started = time.monotonic()
+    status, reply = raw_exchange(server, request_head(100 * 1024 * 1024), b'{"model": "')
+    assert status == 413, reply
+    assert time.monotonic() - started < 30
+    assert reply["error"]["code"] == "request_too_large" and str(MAX_BYTES) in reply["error"]["message"]
+    # A chunked body carries no size: it is refused once what arrived passes the limit.
+    piece = b"x" * (16 * 1024)
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(MAX_BYTES // len(piece) + 2))
+    status, reply = raw_exchange(server, request_head(None, chunked=True), chunks + b"0\r\n\r\n")
+    assert status == 413 and reply["error"]["type"] == "invalid_request_error", reply
+    # Just under the limit is read and judged on its content; then a good request is served.
+    padded = json.dumps({"model": f"{MODEL}:code", "prompt": "hi", "user": "x" * (MAX_BYTES - 100)}).encode()
+    assert len(padded) <= MAX_BYTES
+    status, reply = post(server, "/v1/completions", {"model": f"{MODEL}:code", "prompt": "def f(x):", "max_tokens": 3})
+    assert status == 200 and reply["choices"]
+    status, reply = post(server, "/v1/completions", padded)
+    assert status == 200, reply
+
+
+def test_slow_clients_do_not_hold_up_other_requests(server) -> None:
+    body = json.dumps({"model": f"{MODEL}:code", "prompt": "def f(x):", "max_tokens": 3}).encode()
+    # Clients that stall: some halfway through their request line and headers, some halfway through the body.
+    stalled_heads = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    stalled_bodies = [socket.create_connection(("127.0.0.1", server.port), timeout=60) for _ in range(4)]
+    try:
+        for sock in stalled_heads:
+            sock.sendall(request_head(len(body)).encode()[:40])
+        started = time.monotonic()
+        for sock in stalled_bodies:
+            sock.sendall(request_head(len(body)).encode() + b"\r\n" + body[: len(body) // 2])
+        # Meanwhile a normal request is answered, well before the stalled bodies time out.
+        reply = server.client.completions.create(model=f"{MODEL}:math", prompt=MATH[0], max_tokens=4, temperature=0)
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert time.monotonic() - started < BODY_TIMEOUT
+        # Each stalled body is answered 408 once serve.body_timeout_s has passed, freeing its replica slot.
+        for sock in stalled_bodies:
+            reply_bytes = b""
+            while piece := sock.recv(65536):
+                reply_bytes += piece
+            head, _, payload = reply_bytes.partition(b"\r\n\r\n")
+            assert head.split()[1] == b"408", reply_bytes
+            assert json.loads(payload)["error"]["code"] == "request_timeout"
+        assert BODY_TIMEOUT <= time.monotonic() - started < BODY_TIMEOUT + 30
+    finally:
+        for sock in stalled_heads + stalled_bodies:
+            sock.close()
+    with urllib.request.urlopen(f"{server.base}/healthz", timeout=10) as response:
+        assert json.loads(response.read())["status"] == "ok"
+
+
+def test_a_bounded_mixed_load_gets_no_5xx_and_no_lost_responses(server) -> None:
+    load = serve_load.run_load(server.base, CODE + MATH + PROMPTS, requests=40, concurrency=8, api_key=KEY,
+                               max_tokens=8, timeout_s=120)
+    lines = {line["name"]: line for line in serve_load.result_lines(load, load)}
+    assert load.valid_5xx == 0 and load.lost == 0, load.outcomes
+    assert load.invalid == 5 and load.invalid_4xx == load.invalid, load.outcomes
+    assert load.outcomes["valid"]["ok"] == 35 and load.streamed > 0
+    assert load.healthy_after
+    assert 0 < lines["serve_load_latency_p50"]["value"] <= lines["serve_load_latency_p99"]["value"]
 
 
 def test_ctrl_c_stops_the_server_cleanly(server) -> None:
