@@ -9,7 +9,8 @@ all variants. Each variant then trains on those features and is evaluated from t
 Tuning (`trials` > 0) is a random search on a validation split carved from the calibration data
 (`calibration.validation_fraction`), never on the held-out set: Surgery and DARTS get the same
 number of trials, paired so that trial i draws the same rank, steps and learning rate for both;
-DARTS also draws T and each task's β. Trial 0 is the config's own settings.
+DARTS also draws T and each task's β. Trial 0 is the config's own settings. It runs on the
+headline (first) merge method; the other merges reuse its winners.
 """
 
 from __future__ import annotations
@@ -98,11 +99,11 @@ SHARED_KNOBS = ("rank", "steps", "learning_rate")  # drawn alike for Surgery and
 
 def search_space(settings: CalibrationSection) -> dict[str, tuple]:
     """The random search's values, around the config's own: its steps ×1, 2, 4 (a trial never trains less),
-    its learning rate ×0.3, 1, 3, T a quarter, half or all of the calibrated length."""
+    its learning rate ×0.3 to ×10, T a quarter, half or all of the calibrated length."""
     return {
-        "rank": (8, 16, 32, 64),
+        "rank": (16, 32, 64, 128, 256),
         "steps": tuple(settings.steps * factor for factor in (1, 2, 4)),
-        "learning_rate": tuple(settings.learning_rate * factor for factor in (0.3, 1.0, 3.0)),
+        "learning_rate": tuple(settings.learning_rate * factor for factor in (0.3, 1.0, 3.0, 10.0)),
         "max_positions": tuple(max(1, settings.max_length // part) for part in (4, 2, 1)),
         "beta": (0.0, 0.25, 0.5, 1.0),
     }
@@ -356,17 +357,18 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
                    model_dtype(settings.dtype, device), progress)
     experts = [expert_side(index, ctx, tune=plan.trials > 0) for index in range(len(config.tasks))]
     methods: dict[str, dict[str, object]] = {}
+    variants, trials = plan.variants, None
     for method in plan.merge_methods:
         merged_dir = merge_stage(_merge_config(config, method), sources)
         merged = load_causal_lm(merged_dir, dtype=ctx.dtype, device=device)
         sides = [(side, merged_side(merged, side, ctx)) for side in experts]
-        variants, trials = plan.variants, None
-        if plan.trials:
+        tuned_here = plan.trials > 0 and trials is None
+        if tuned_here:  # on the headline merge; the others reuse its winners, so merges compare at equal settings
             variants, trials = tune(plan, merged, sides, ctx)
         results = {}
         for name, variant in variants.items():
             results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking)
-        methods[method] = {"merged": str(merged_dir), "variants": results, **({"tuning": trials} if trials else {})}
+        methods[method] = {"merged": str(merged_dir), "variants": results, **({"tuning": trials} if tuned_here else {})}
         del merged, sides
         gc.collect()
     plot = plot_ablation_bias({m: r["variants"] for m, r in methods.items()},
@@ -377,7 +379,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         "headline_merge_method": plan.merge_methods[0],
         "variants": methods[plan.merge_methods[0]]["variants"],
         "merge_methods": methods,
-        "tuning": {"trials": plan.trials, "select": plan.select,
+        "tuning": {"trials": plan.trials, "select": plan.select, "merge_method": plan.merge_methods[0],
                    "validation_fraction": settings.validation_fraction} if plan.trials else None,
         "plots": {"ablation_bias_by_position": str(plot)},
         "seconds": time.perf_counter() - started,

@@ -131,9 +131,13 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
             else:
                 assert Path(variant["corrections"]).is_file() and variant["overall"]["bias_reduction"] > 0
         assert variant["tasks"]["code"]["score_name"] == "humaneval" and "canonical_nll_corrected" in variant["tasks"]["code"]
-        # Tuning: paired trials of Surgery and DARTS, scored on the validation split.
-        assert [(t["trial"], t["variant"]) for t in method["tuning"]] == [
-            (0, "surgery"), (0, "darts"), (1, "surgery"), (1, "darts")]
+    # Tuning: paired trials of Surgery and DARTS on the validation split of the headline merge, whose
+    # winners the other merge reuses.
+    tuning = report["merge_methods"]["task_arithmetic"]["tuning"]
+    assert [(t["trial"], t["variant"]) for t in tuning] == [(0, "surgery"), (0, "darts"), (1, "surgery"), (1, "darts")]
+    assert "tuning" not in report["merge_methods"]["ties"]
+    for name in ("surgery", "darts"):
+        assert report["merge_methods"]["ties"]["variants"][name]["settings"] == report["variants"][name]["settings"]
     assert report["tuning"]["validation_fraction"] == 0.2
     assert Path(report["plots"]["ablation_bias_by_position"]).read_bytes().startswith(b"\x89PNG")
     runs = report["tracking"]["stage_runs"]
