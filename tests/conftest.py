@@ -39,3 +39,15 @@ def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> TinyFamily:
 @pytest.fixture
 def tiny_tokenizer():
     return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_left_running():
+    """Every test module leaves no Ray session behind: a later `calibrate` would join a leftover
+    (e.g. one Ray Serve's helpers start on their own, sized to this machine's cores) instead of
+    starting the cluster its job needs."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
