@@ -120,7 +120,9 @@ class ExpertStream:
         self.layers = list(layers)
         self.fail_after_batches = fail_after_batches
         self.batches = 0
-        self.node = ray.get_runtime_context().get_node_id()  # each row says where it was made
+        # Each row says where it was made. Outside Ray (the actor's class used directly) there is no
+        # node, and asking the runtime context for one would start a Ray session as a side effect.
+        self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
     def __call__(self, batch: Batch) -> Batch:
         import torch
