@@ -249,6 +249,7 @@ def expert_side(index: int, ctx: _Context, tune: bool) -> ExpertSide:
                               if scorer is not None and scorer.canonical_nll and problems else None, ctx),
         score=None,
     )
+    logger.info("expert %s: features and held-out outputs done; task score on %d problems", task, len(problems))
     with CorrectedLM(expert, ctx.tokenizer) as lm:
         side.score = _score(lm, None, side, ctx)
     del expert
@@ -396,6 +397,7 @@ def _run_variant(
     sides: Sequence[tuple[ExpertSide, MergedSide]], ctx: _Context, tracking: Tracking | None,
 ) -> dict[str, object]:
     """Train one variant (none for `merged`), save its corrections, evaluate it on held-out data, log it."""
+    logger.info("%s / %s: %s", method, name, "evaluating" if settings is None else "training, then evaluating")
     corrections = calibration = path = None
     if settings is not None:
         result = train_corrections([p.features for _, p in sides], settings, merged, progress=ctx.progress)
