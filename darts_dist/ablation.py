@@ -55,6 +55,7 @@ from darts_dist.merge import merge_methods as known_merge_methods
 from darts_dist.models import load_causal_lm, load_tokenizer
 from darts_dist.pipeline import corrections_metadata, headline_layer, merge_stage, tokenized
 from darts_dist.plots import plot_ablation_bias
+from darts_dist.router import ROUTED, TaskRouter, fit_run_router
 from darts_dist.sources import ResolvedSources, resolve_sources
 from darts_dist.task_scores import (
     Problem,
@@ -289,17 +290,23 @@ def evaluate_variant(
     sides: Sequence[tuple[ExpertSide, MergedSide]],
     ctx: _Context,
     split: str = "heldout",
+    router: TaskRouter | None = None,
 ) -> dict[str, object]:
-    """{"overall", "tasks"} of one variant on the held-out (or validation) split; held-out adds task scores."""
+    """{"overall", "tasks"} of one variant on the held-out (or validation) split; held-out adds task scores,
+    and with a router the routed model's (the task left to the router, as for served `routed` requests)."""
     tasks = {}
     for side, plain in sides:
         result = _tally(getattr(side, split), getattr(plain, split), merged, corrections, side, ctx.layer)
         if split == "heldout" and side.scorer is not None and side.problems:
             corrected = plain.score  # without corrections, the merged model is the 'corrected' one
+            routed = None
             if corrections is not None:
                 with CorrectedLM(merged, ctx.tokenizer, corrections) as lm:
                     corrected = _score(lm, side.task, side, ctx)
-            result |= score_fields(side.scorer, len(side.problems), side.score, plain.score, corrected)
+                if router is not None:
+                    with CorrectedLM(merged, ctx.tokenizer, corrections, router) as lm:
+                        routed = _score(lm, ROUTED, side, ctx)
+            result |= score_fields(side.scorer, len(side.problems), side.score, plain.score, corrected, routed)
             if side.canonical:
                 result |= canonical_fields(_tally(side.canonical, plain.canonical, merged, corrections, side, ctx.layer))
         tasks[side.task] = result
@@ -358,9 +365,13 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
                    model_dtype(settings.dtype, device), progress)
     experts = [expert_side(index, ctx, tune=plan.trials > 0) for index in range(len(config.tasks))]
     methods: dict[str, dict[str, object]] = {}
-    variants, trials = plan.variants, None
+    variants, trials, router_report = plan.variants, None, None
     for method in plan.merge_methods:
         merged_dir = merge_stage(_merge_config(config, method), sources)
+        router = None
+        if method == plan.merge_methods[0]:  # the router of the headline merge: its accuracy and DARTS's routed scores
+            router_report = fit_run_router(config, sources, merged_dir, ctx.layer)
+            router = TaskRouter.load(Path(router_report["path"]))
         merged = load_causal_lm(merged_dir, dtype=ctx.dtype, device=device)
         sides = [(side, merged_side(merged, side, ctx)) for side in experts]
         tuned_here = plan.trials > 0 and trials is None
@@ -368,7 +379,8 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
             variants, trials = tune(plan, merged, sides, ctx)
         results = {}
         for name, variant in variants.items():
-            results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking)
+            results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking,
+                                         router if name == "darts" else None)
         methods[method] = {"merged": str(merged_dir), "variants": results, **({"tuning": trials} if tuned_here else {})}
         del merged, sides
         gc.collect()
@@ -380,6 +392,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         "headline_merge_method": plan.merge_methods[0],
         "variants": methods[plan.merge_methods[0]]["variants"],
         "merge_methods": methods,
+        "router": router_report,
         "tuning": {"trials": plan.trials, "select": plan.select, "merge_method": plan.merge_methods[0],
                    "validation_fraction": settings.validation_fraction} if plan.trials else None,
         "plots": {"ablation_bias_by_position": str(plot)},
@@ -387,6 +400,8 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     }
     if tracking is not None:
         tracking.log_file(tracking.run_id, plot, "plots")
+        tracking.log_metrics(tracking.run_id, {f"router.{key}": router_report[key]
+                                               for key in ("accuracy", "train_accuracy") if key in router_report})
         report["tracking"] = {"uri": tracking.uri, "experiment_id": tracking.experiment_id,
                               "run_id": tracking.run_id, "stage_runs": tracking.stages}
     return report
@@ -395,6 +410,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
 def _run_variant(
     name: str, settings: CalibrationSection | None, method: str, merged: PreTrainedModel, merged_dir: Path,
     sides: Sequence[tuple[ExpertSide, MergedSide]], ctx: _Context, tracking: Tracking | None,
+    router: TaskRouter | None = None,
 ) -> dict[str, object]:
     """Train one variant (none for `merged`), save its corrections, evaluate it on held-out data, log it."""
     logger.info("%s / %s: %s", method, name, "evaluating" if settings is None else "training, then evaluating")
@@ -406,7 +422,7 @@ def _run_variant(
                                 corrections.cpu(), metadata=corrections_metadata(merged_dir))
         corrections = corrections.to(ctx.device)
         calibration = {"first_loss": result.losses[0], "final_loss": result.losses[-1], "train_seconds": result.seconds}
-    evaluation = evaluate_variant(merged, corrections, sides, ctx)
+    evaluation = evaluate_variant(merged, corrections, sides, ctx, router=router)
     summary = {
         "settings": None if settings is None else settings.model_dump(mode="json"),
         "corrections": None if path is None else str(path),
@@ -432,7 +448,8 @@ OVERALL_COLUMNS = {
     "nll_corrected": "NLL",
     "nll_gap_closed": "NLL gap closed",
 }
-TASK_COLUMNS = {**OVERALL_COLUMNS, "score_corrected": "score", "canonical_nll_corrected": "solution NLL"}
+TASK_COLUMNS = {**OVERALL_COLUMNS, "score_corrected": "score", "score_routed": "routed score",
+                "canonical_nll_corrected": "solution NLL"}
 
 
 def ablation_tables(report: Mapping[str, object]) -> list[tuple[str, list[str], list[list[str]]]]:

@@ -47,6 +47,7 @@ SCORE_COLUMNS = {
     "score_expert": "expert",
     "score_merged": "merged",
     "score_corrected": "corrected",
+    "score_routed": "routed",
     "canonical_nll_expert": "solution NLL expert",
     "canonical_nll_merged": "solution NLL merged",
     "canonical_nll_corrected": "solution NLL corrected",

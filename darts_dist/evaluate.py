@@ -219,7 +219,7 @@ def evaluate_task(
     return tally.result(task, layer)
 
 
-SCORE_KEYS = ("score_expert", "score_merged", "score_corrected")
+SCORE_KEYS = ("score_expert", "score_merged", "score_corrected", "score_routed")
 OVERALL_KEYS = (
     "bias_before", "bias_after", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction",
     "nll_expert", "nll_merged", "nll_corrected", "nll_gap_closed", *SCORE_KEYS,

@@ -46,7 +46,7 @@ from darts_dist.registry import (
     register_version,
     registered_model_name,
 )
-from darts_dist.router import fit_run_router
+from darts_dist.router import ROUTER_FILE, TaskRouter, fit_run_router
 from darts_dist.sources import ResolvedSources, resolve_sources
 from darts_dist.task_scores import score_task, scorer_for
 from darts_dist.tracking import (
@@ -203,9 +203,10 @@ def headline_layer(layers: list) -> str | int:
 
 
 def evaluate_stage(
-    config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None
+    config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None,
+    router_path: Path | None = None,
 ) -> dict[str, object]:
-    """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert."""
+    """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert (and routed, with a router)."""
     settings = config.calibration
     device = resolve_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
@@ -220,6 +221,7 @@ def evaluate_stage(
     tokenizer = load_tokenizer(sources.base)
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
     layer = headline_layer(settings.layers)
+    router = None if router_path is None or corrections is None else TaskRouter.load(router_path)
     results = {}
     for index, spec in enumerate(config.sources.experts):
         task = spec.task
@@ -227,7 +229,7 @@ def evaluate_stage(
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
         results[task] = evaluate_task(task, index, data, expert, merged, corrections, layer, settings.batch_size)
         results[task] |= score_task(scorer_for(spec), sources.data[task].heldout, task, index, expert, merged,
-                                    corrections, tokenizer, layer, config.evaluation)
+                                    corrections, tokenizer, layer, config.evaluation, router)
         _release(expert)
     return {"overall": overall(results), "tasks": results}
 
@@ -364,7 +366,10 @@ def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, objec
 
     Tracked, the results go to this session's calibration run, or to an evaluation run of their own.
     """
-    evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections)
+    # Routed scores come from the router the calibration fit next to its corrections, where there is one.
+    router = Path(state.report.get("router", {}).get("path", state.config.run_dir / ROUTER_FILE))
+    router = router if corrections is not None and router.is_file() else None
+    evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router)
     state.report["variants"] = {"darts": evaluation}
     plot = plot_bias_by_position(evaluation["tasks"], state.config.run_dir / "plots" / "bias_by_position.png")
     state.report["plots"]["bias_by_position"] = str(plot)

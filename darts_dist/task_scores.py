@@ -33,6 +33,7 @@ from darts_dist.errors import DartsError
 from darts_dist.evaluate import evaluate_task
 from darts_dist.features import LayerKey
 from darts_dist.generation import CorrectedLM
+from darts_dist.router import ROUTED, TaskRouter
 
 
 @dataclass(frozen=True)
@@ -246,12 +247,17 @@ def canonical_set(problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBas
 
 
 def score_fields(
-    scorer: Scorer, count: int, expert: float | None, merged: float | None, corrected: float | None
+    scorer: Scorer, count: int, expert: float | None, merged: float | None, corrected: float | None,
+    routed: float | None = None,
 ) -> dict[str, object]:
-    """A task's score entries in the evaluation: which scorer, on how many problems, and each model's score."""
+    """A task's score entries in the evaluation: which scorer, on how many problems, and each model's score
+    (routed: the corrected model with the router choosing the task, where there is one)."""
     fields = {"score_name": scorer.name, "score_metric": scorer.metric, "score_n": count,
               "score_expert": expert, "score_merged": merged}
-    return fields if corrected is None else fields | {"score_corrected": corrected}
+    for key, value in (("score_corrected", corrected), ("score_routed", routed)):
+        if value is not None:
+            fields[key] = value
+    return fields
 
 
 def canonical_fields(evaluation: Mapping[str, object]) -> dict[str, object]:
@@ -271,10 +277,12 @@ def score_task(
     tokenizer: PreTrainedTokenizerBase,
     layer: LayerKey,
     settings: EvaluationSection,
+    router: TaskRouter | None = None,
 ) -> dict[str, object]:
     """score_{expert,merged,corrected} on the first `settings.score_limit` problems (with score_name,
-    score_metric and score_n), and canonical_nll_* where the scorer has reference solutions; {} without
-    a scorer or with a limit of 0."""
+    score_metric and score_n), score_routed with a router (the task left to it, as served requests to
+    the routed model id), and canonical_nll_* where the scorer has reference solutions; {} without a
+    scorer or with a limit of 0."""
     if scorer is None or settings.score_limit == 0:
         return {}
     problems = scorer.problems(heldout, settings.score_limit)
@@ -283,7 +291,11 @@ def score_task(
     with CorrectedLM(merged, tokenizer, corrections) as lm:
         merged_score = pass_rate(lm, None, problems, scorer, settings)
         corrected_score = None if corrections is None else pass_rate(lm, task, problems, scorer, settings)
-    result = score_fields(scorer, len(problems), expert_score, merged_score, corrected_score)
+    routed_score = None
+    if router is not None and corrections is not None:
+        with CorrectedLM(merged, tokenizer, corrections, router) as lm:
+            routed_score = pass_rate(lm, ROUTED, problems, scorer, settings)
+    result = score_fields(scorer, len(problems), expert_score, merged_score, corrected_score, routed_score)
     if scorer.canonical_nll:
         result |= canonical_fields(evaluate_task(task, task_index, canonical_set(problems, tokenizer, task), expert,
                                                  merged, corrections, layer, settings.generation_batch_size,

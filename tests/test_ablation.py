@@ -139,9 +139,19 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
     for name in ("surgery", "darts"):
         assert report["merge_methods"]["ties"]["variants"][name]["settings"] == report["variants"][name]["settings"]
     assert report["tuning"]["validation_fraction"] == 0.2
+    # The headline merge's router: its held-out accuracy, and DARTS's scores with the task left to it.
+    router = report["router"]
+    assert 0.0 <= router["accuracy"] <= 1.0 and Path(router["path"]).is_file()
+    for task in TASKS:
+        scores = {name: v["tasks"][task] for name, v in report["variants"].items()}
+        assert 0.0 <= scores["darts"]["score_routed"] <= 1.0
+        assert all("score_routed" not in s for name, s in scores.items() if name != "darts")
+        assert "score_routed" not in report["merge_methods"]["ties"]["variants"]["darts"]["tasks"][task]
     assert Path(report["plots"]["ablation_bias_by_position"]).read_bytes().startswith(b"\x89PNG")
     runs = report["tracking"]["stage_runs"]
     assert "ablation/ties/darts" in runs
     metrics = MlflowClient(report["tracking"]["uri"]).get_run(runs["ablation/ties/darts"]).data.metrics
+    parent = MlflowClient(report["tracking"]["uri"]).get_run(report["tracking"]["run_id"]).data.metrics
+    assert parent["router.accuracy"] == pytest.approx(router["accuracy"])
     assert metrics["eval.overall.bias_reduction"] == pytest.approx(
         report["merge_methods"]["ties"]["variants"]["darts"]["overall"]["bias_reduction"])

@@ -16,6 +16,7 @@ from darts_dist.core import CorrectionSpec, DartsCorrections, attach_corrections
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
 from darts_dist.models import load_causal_lm
+from darts_dist.router import TaskRouter
 from darts_dist.sources import demo_data
 from darts_dist.task_scores import (
     SCORERS,
@@ -132,6 +133,19 @@ def test_generated_scores_equal_a_direct_computation(models) -> None:
     assert result["score_merged"] == pytest.approx(share(plain))
     assert result["score_expert"] == pytest.approx(share(own))
     assert "canonical_nll_expert" not in result  # only scorers with reference solutions
+    assert "score_routed" not in result  # no router, no routed score
+
+    def constant_router(index: int) -> TaskRouter:  # always the same task, at full confidence
+        d = merged.config.hidden_size
+        return TaskRouter(("code", "instruct"), "final", torch.zeros(d), torch.ones(d), torch.zeros(2, d),
+                          torch.tensor([50.0, -50.0]) if index == 0 else torch.tensor([-50.0, 50.0]))
+
+    routed = score_task(scorer, None, "instruct", 1, expert, merged, corrections, tokenizer, "final", settings,
+                        constant_router(1))
+    assert routed["score_routed"] == routed["score_corrected"] == pytest.approx(4 / 6)
+    misrouted = score_task(scorer, None, "instruct", 1, expert, merged, corrections, tokenizer, "final", settings,
+                           constant_router(0))
+    assert misrouted["score_routed"] == 0.0  # code's correction does not say the instruct answers
     assert score_task(scorer, None, "instruct", 1, expert, merged, corrections, tokenizer, "final",
                       EvaluationSection(score_limit=0)) == {}
 
