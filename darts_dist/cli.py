@@ -229,6 +229,11 @@ def cmd_demo(args: argparse.Namespace) -> None:
     if args.steps is not None:
         config = config.model_copy(update={"calibration": config.calibration.model_copy(update={"steps": args.steps})})
     console.print(f"darts-dist demo ({name}): run folder {config.run_dir}")
+    if args.ablate:  # the ablation table on the same config instead of one calibration
+        return _ablate(config, args)
+    if args.merge_methods or args.tune or args.validation_fraction is not None:
+        raise DartsError("--merge-methods, --tune and --validation-fraction choose what the ablation compares",
+                         "add --ablate to run the ablation")
     with _session(config.tracking, config.name, "demo") as tracking:
         state = prepare(config, tracking)
         console.print(f"corrections: {run_calibration(state)}")
@@ -241,9 +246,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_ablate(args: argparse.Namespace) -> None:
+    _ablate(_with_score_limit(_with_output_dir(load_config(args.config), args.output_dir), args.score_limit), args)
+
+
+def _ablate(config: RunConfig, args: argparse.Namespace) -> None:
     from darts_dist.ablation import ablation_tables, plan_ablation, run_ablation
 
-    config = _with_score_limit(_with_output_dir(load_config(args.config), args.output_dir), args.score_limit)
     methods = [m.strip() for m in args.merge_methods.split(",") if m.strip()] if args.merge_methods else None
     plan = plan_ablation(config, methods, trials=args.tune, validation_fraction=args.validation_fraction,
                          select=args.select)
@@ -351,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = command("demo", "run the main job on the embedded default (SmolLM2-135M and its demo experts)", cmd_demo)
     demo.add_argument("--tiny", action="store_true", help="the same pipeline on tiny random models (about a minute)")
     demo.add_argument("--steps", type=int, default=None, help="override calibration.steps")
+    demo.add_argument("--ablate", action="store_true",
+                      help="run the ablation (as `darts-dist ablate`) on the demo config instead of one calibration")
 
     merge = command("merge", "merge the experts with mergekit (CONFIG: a darts-dist or a mergekit YAML)", cmd_merge)
     merge.add_argument("config", type=Path)
@@ -395,14 +405,15 @@ def build_parser() -> argparse.ArgumentParser:
     ablate = command("ablate", "the ablation table: merged, Surgery, +entropy, +position, DARTS, per merge method",
                      cmd_ablate)
     ablate.add_argument("config", type=Path)
-    ablate.add_argument("--merge-methods", default=None, metavar="M1,M2",
-                        help="mergekit methods to compare (default: the config's, task_arithmetic, ties)")
-    ablate.add_argument("--tune", type=int, default=0, metavar="TRIALS",
-                        help="tune Surgery and DARTS with this many paired trials each on a validation split (default 0)")
-    ablate.add_argument("--validation-fraction", type=float, default=None,
-                        help="share of the calibration data held back for tuning (default: the config's, else 0.2)")
-    ablate.add_argument("--select", default="nll_gap_closed",
-                        help="validation metric tuning maximises (default nll_gap_closed)")
+    for p in (demo, ablate):
+        p.add_argument("--merge-methods", default=None, metavar="M1,M2",
+                       help="mergekit methods to compare (default: the config's, task_arithmetic, ties)")
+        p.add_argument("--tune", type=int, default=0, metavar="TRIALS",
+                       help="tune Surgery and DARTS with this many paired trials each on a validation split (default 0)")
+        p.add_argument("--validation-fraction", type=float, default=None,
+                       help="share of the calibration data held back for tuning (default: the config's, else 0.2)")
+        p.add_argument("--select", default="nll_gap_closed",
+                       help="validation metric tuning maximises (default nll_gap_closed)")
     for p in (demo, calibrate, evaluate, ablate):
         p.add_argument("--score-limit", default=None, metavar="N|all",
                        help="task-score problems per task (default: evaluation.score_limit; 0: none)")

@@ -155,3 +155,18 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
     assert parent["router.accuracy"] == pytest.approx(router["accuracy"])
     assert metrics["eval.overall.bias_reduction"] == pytest.approx(
         report["merge_methods"]["ties"]["variants"]["darts"]["overall"]["bias_reduction"])
+
+
+def test_demo_ablate_reports_every_variant_and_the_router(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`demo --ablate`: the ablation on the packaged config, its report the demo's."""
+    monkeypatch.chdir(tmp_path)  # the tiny config tracks to ./mlflow.db
+    assert main(["demo", "--tiny", "--tune", "2"]) == 2  # an ablation option without --ablate is refused
+    assert "add --ablate" in capsys.readouterr().err
+    report_path = tmp_path / "demo.json"
+    assert main(["demo", "--tiny", "--ablate", "--steps", "10", "--merge-methods", "task_arithmetic",
+                 "--score-limit", "0", "--output-dir", str(tmp_path / "runs"), "--report", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert list(report["variants"]) == ["merged", "surgery", "entropy", "position", "darts"]
+    assert set(report["variants"]["darts"]["tasks"]) == {"code", "math", "instruct"}
+    assert report["variants"]["surgery"]["settings"]["steps"] == 10
+    assert 0.0 <= report["router"]["accuracy"] <= 1.0
