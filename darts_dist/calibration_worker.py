@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,7 +38,6 @@ from darts_dist.core import DartsCorrections, attach_corrections, save_correctio
 from darts_dist.errors import DartsError
 from darts_dist.feature_store import FeatureStore
 from darts_dist.features import merged_hidden, model_dtype
-from darts_dist.fsutil import cache_root
 from darts_dist.models import load_causal_lm
 from darts_dist.stream import TOKEN_FIELDS, arrivals, from_wire, pad_rows, target_column
 from darts_dist.tracking import StepLogger
@@ -242,8 +240,10 @@ def build_engine(config: Mapping[str, object], tasks: Sequence[str], checkpoint:
     merged = load_causal_lm(Path(config["merged_dir"]), dtype=model_dtype(settings.dtype, device), device=device)
     torch.manual_seed(settings.seed)  # the reference loop's initial corrections
     corrections = build_corrections(tasks, merged.config.hidden_size, settings).to(device)
-    # DeepSpeed compiles a CPU communication op on first use (about a minute): cache it once per machine.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch-extensions"))
+    if device.type == "cpu":
+        # On CPU DeepSpeed JIT-compiles a shared-memory allreduce on first use: minutes of C++ in every
+        # fresh environment, for nothing here, since gloo's allreduce is ample for correction-sized gradients.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     engine, *_ = deepspeed.initialize(
         model=CalibrationModule(merged, corrections, settings),
         model_parameters=list(corrections.parameters()),
