@@ -6,7 +6,6 @@ process start-up on 2 cores, so every test makes the most of its runs.
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
@@ -43,9 +42,6 @@ BIAS_REDUCTION_TOLERANCE = 0.1
 def ray_cluster():
     """One local cluster for the module, logically oversubscribed: Ray Data next to Ray Train
     deadlocks on 2 CPUs (DESIGN.md §4)."""
-    # DeepSpeed compiles its CPU comm op (about a minute) on first use: keep the build in torch's own
-    # cache, so it happens once per machine rather than once per run of the tests.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
     ray.init(num_cpus=8, include_dashboard=False)
     yield
     ray.shutdown()
