@@ -140,26 +140,6 @@ def test_lost_worker_resumes_from_its_last_checkpoint(undisturbed, tiny_family, 
     assert job.losses == pytest.approx(reference_run.result.losses, abs=SAME_CORRECTIONS_ATOL)
 
 
-def test_killed_expert_actors_are_restarted_and_every_row_arrives(ray_cluster, tiny_family, tmp_path,
-                                                                  monkeypatch) -> None:
-    """Two ZeRO-3 workers on uneven shards (their merged forwards kept in lockstep), every expert lost once."""
-    monkeypatch.setenv(FAIL_EXPERT_AFTER, "1")
-    config = make_config(tiny_family, tmp_path / "faulty", calibration={"num_samples": 20},
-                         cluster={"num_workers": 2, "zero_stage": 3})
-    job = run_job(config, tiny_family)
-    assert_every_row_once(job, {task: 20 for task in TASKS}, workers=2)
-    assert job.resumed_from is None  # the stream healed itself: no worker restart was needed
-    assert sum(job.losses[-5:]) / 5 < 0.8 * job.losses[0]
-    # Against the same run undisturbed: the redone batches are the same rows, so the result agrees
-    # (which worker got which rows may differ with the timing, hence a tolerance, not equality).
-    monkeypatch.delenv(FAIL_EXPERT_AFTER)
-    undisturbed = run_job(make_config(tiny_family, tmp_path / "calm", calibration={"num_samples": 20},
-                                      cluster={"num_workers": 2, "zero_stage": 3}), tiny_family)
-    ours = bias_reduction(config, tiny_family, job.corrections)
-    theirs = bias_reduction(config, tiny_family, undisturbed.corrections)
-    assert abs(ours - theirs) < BIAS_REDUCTION_TOLERANCE, (ours, theirs)
-
-
 def test_two_zero2_workers_stream_a_large_set_within_bounds(ray_cluster, tiny_family, tmp_path) -> None:
     """60 MB of hidden states from three experts, through 1 MB stream buffers and 2 MB feature budgets."""
     copies = 4
@@ -191,14 +171,21 @@ def test_two_zero2_workers_stream_a_large_set_within_bounds(ray_cluster, tiny_fa
     assert ours > 0.1 and abs(ours - theirs) < BIAS_REDUCTION_TOLERANCE, (ours, theirs)
 
 
-def test_two_zero3_workers_train_multi_layer_surgery_through_the_merged_model(ray_cluster, tiny_family,
-                                                                              tmp_path) -> None:
-    """ZeRO-3 partitions the frozen merged model too; gradients flow through its layers."""
-    calibration = {"layers": [1, "final"], "num_samples": 24, "learning_rate": 1e-3}
+def test_two_zero3_workers_train_multi_layer_surgery_and_outlive_their_experts(ray_cluster, tiny_family, tmp_path,
+                                                                                monkeypatch) -> None:
+    """ZeRO-3 partitions the frozen merged model too, and gradients flow through its layers; the two
+    workers get uneven shards (their merged forwards kept in lockstep) while every expert actor is
+    lost once and restarted by Ray Data. One Ray run checks both, since each costs half a minute."""
+    monkeypatch.setenv(FAIL_EXPERT_AFTER, "1")
+    calibration = {"layers": [1, "final"], "num_samples": 21, "learning_rate": 1e-3}
     config = make_config(tiny_family, tmp_path / "ray", calibration=calibration,
                          cluster={"num_workers": 2, "zero_stage": 3})
     job = run_job(config, tiny_family)
+    assert_every_row_once(job, {task: 21 for task in TASKS}, workers=2)
+    assert job.resumed_from is None  # the stream healed itself: no worker restart was needed
     assert sum(job.losses[-5:]) / 5 < 0.8 * job.losses[0]
+    # Against the in-process loop: the redone batches are the same rows, but which worker got which
+    # rows depends on the timing, hence a tolerance, not equality.
     reference = calibrate_stage(make_config(tiny_family, tmp_path / "ref", calibration=calibration),
                                 resolve_sources(config), tiny_family.base)
     ours = bias_reduction(config, tiny_family, job.corrections)
