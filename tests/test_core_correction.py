@@ -186,3 +186,27 @@ def test_spec_validation_and_dict_roundtrip():
             CorrectionSpec(**kw)
     with pytest.raises(ValueError, match="unknown"):
         CorrectionSpec.from_dict({**spec.to_dict(), "colour": 1})
+
+
+@pytest.mark.parametrize("kw", [VARIANTS[0], VARIANTS[3]])
+def test_position_gradient_does_not_depend_on_the_thread_count(kw):
+    """[8, 64, 64] position rows: past 32768 elements an indexing backward sums with atomic adds in
+    thread order, which made Ray's one-thread workers and a two-thread reference loop train apart."""
+    spec = CorrectionSpec(tasks=("math", "code", "chat"), hidden_size=64, rank=R, max_positions=64, **kw)
+    c = Correction(spec)
+    randomize(c)
+    pos = torch.arange(64).expand(8, 64)
+    weights = torch.randn(8, 64, 64, generator=torch.Generator().manual_seed(0))
+
+    def grads(threads: int) -> list[torch.Tensor]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            c.zero_grad()
+            (c.position_rows(0, pos, torch.device("cpu")) * weights).sum().backward()
+        finally:
+            torch.set_num_threads(before)
+        return [p.grad.clone() for p in c.parameters() if p.grad is not None]
+
+    for one, many in zip(grads(1), grads(4)):
+        assert torch.equal(one, many)

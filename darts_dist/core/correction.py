@@ -127,11 +127,13 @@ class Correction(nn.Module):
     def position_rows(self, table: int, positions: Tensor, device: torch.device) -> Tensor:
         """P_table[min(max(t, 0), T−1)] in fp32: [B, S] positions -> [B, S, d]."""
         t = positions.to(device).clamp(0, self.spec.max_positions - 1)
+        # An embedding lookup, not P[t]: indexing's backward accumulates with atomic adds on CPU past
+        # 32768 elements, so its sums (and the trained corrections) would depend on the thread count.
         if hasattr(self, "position_a"):
             a = self.position_a[table].to(device, torch.float32)
             b = self.position_b[table].to(device, torch.float32)
-            return a[t] @ b
-        return self.position[table].to(device, torch.float32)[t]
+            return nn.functional.embedding(t, a) @ b
+        return nn.functional.embedding(t, self.position[table].to(device, torch.float32))
 
     def delta(self, h: Tensor, positions: Tensor, task_weights: Tensor) -> Tensor:
         """ĥ − h = Σ_k w_bk·(−U_k·ReLU(D_k·h_t) + P_k[min(t, T−1)]), fp32 [B, S, d].
