@@ -301,11 +301,9 @@ def evaluate_variant(
             corrected = plain.score  # without corrections, the merged model is the 'corrected' one
             routed = None
             if corrections is not None:
-                with CorrectedLM(merged, ctx.tokenizer, corrections) as lm:
+                with CorrectedLM(merged, ctx.tokenizer, corrections, router) as lm:
                     corrected = _score(lm, side.task, side, ctx)
-                if router is not None:
-                    with CorrectedLM(merged, ctx.tokenizer, corrections, router) as lm:
-                        routed = _score(lm, ROUTED, side, ctx)
+                    routed = None if router is None else _score(lm, ROUTED, side, ctx)
             result |= score_fields(side.scorer, len(side.problems), side.score, plain.score, corrected, routed)
             if side.canonical:
                 result |= canonical_fields(_tally(side.canonical, plain.canonical, merged, corrections, side, ctx.layer))
@@ -368,11 +366,11 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     variants, trials, router_report = plan.variants, None, None
     for method in plan.merge_methods:
         merged_dir = merge_stage(_merge_config(config, method), sources)
+        merged = load_causal_lm(merged_dir, dtype=ctx.dtype, device=device)
         router = None
         if method == plan.merge_methods[0]:  # the router of the headline merge: its accuracy and DARTS's routed scores
-            router_report = fit_run_router(config, sources, merged_dir, ctx.layer)
+            router_report = fit_run_router(config, sources, merged_dir, ctx.layer, model=merged)
             router = TaskRouter.load(Path(router_report["path"]))
-        merged = load_causal_lm(merged_dir, dtype=ctx.dtype, device=device)
         sides = [(side, merged_side(merged, side, ctx)) for side in experts]
         tuned_here = plan.trials > 0 and trials is None
         if tuned_here:  # on the headline merge; the others reuse its winners, so merges compare at equal settings

@@ -367,7 +367,7 @@ def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, objec
     Tracked, the results go to this session's calibration run, or to an evaluation run of their own.
     """
     # Routed scores come from the router the calibration fit next to its corrections, where there is one.
-    router = Path(state.report.get("router", {}).get("path", state.config.run_dir / ROUTER_FILE))
+    router = state.config.run_dir / ROUTER_FILE
     router = router if corrections is not None and router.is_file() else None
     evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router)
     state.report["variants"] = {"darts": evaluation}

@@ -203,7 +203,10 @@ def _accuracy(router: TaskRouter, features: Tensor, labels: Tensor) -> float:
     return float((router.probabilities(features).argmax(dim=-1) == labels).float().mean())
 
 
-def fit_run_router(config: RunConfig, sources: ResolvedSources, merged_dir: Path, layer: LayerKey) -> dict[str, Any]:
+def fit_run_router(
+    config: RunConfig, sources: ResolvedSources, merged_dir: Path, layer: LayerKey,
+    model: PreTrainedModel | None = None,
+) -> dict[str, Any]:
     """Fit the router on the run's calibration prompts, save RUN_DIR/router.safetensors, and report it.
 
     With held-out data (of any task) the report has `accuracy` (top task = true task, whatever the
@@ -214,8 +217,9 @@ def fit_run_router(config: RunConfig, sources: ResolvedSources, merged_dir: Path
     path = config.run_dir / ROUTER_FILE
     tokenizer = load_tokenizer(merged_dir)
     train = {task: task_prompts(config, sources, task, "calibration", tokenizer) for task in config.tasks}
-    device = resolve_device(settings.device)
-    model = load_causal_lm(merged_dir, dtype=model_dtype(settings.dtype, device), device=device)
+    if model is None:  # a caller that holds the merged model already passes it
+        device = resolve_device(settings.device)
+        model = load_causal_lm(merged_dir, dtype=model_dtype(settings.dtype, device), device=device)
     features, labels = _labelled_features(config, train, model, tokenizer, layer)
     router = fit_router(features, labels, config.tasks, layer, threshold=config.serve.router_threshold)
     train_accuracy = _accuracy(router, features, labels)

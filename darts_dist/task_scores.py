@@ -288,13 +288,11 @@ def score_task(
     problems = scorer.problems(heldout, settings.score_limit)
     with CorrectedLM(expert, tokenizer) as lm:
         expert_score = pass_rate(lm, None, problems, scorer, settings)
-    with CorrectedLM(merged, tokenizer, corrections) as lm:
+    router = None if corrections is None else router  # routing chooses among corrections
+    with CorrectedLM(merged, tokenizer, corrections, router) as lm:
         merged_score = pass_rate(lm, None, problems, scorer, settings)
         corrected_score = None if corrections is None else pass_rate(lm, task, problems, scorer, settings)
-    routed_score = None
-    if router is not None and corrections is not None:
-        with CorrectedLM(merged, tokenizer, corrections, router) as lm:
-            routed_score = pass_rate(lm, ROUTED, problems, scorer, settings)
+        routed_score = None if router is None else pass_rate(lm, ROUTED, problems, scorer, settings)
     result = score_fields(scorer, len(problems), expert_score, merged_score, corrected_score, routed_score)
     if scorer.canonical_nll:
         result |= canonical_fields(evaluate_task(task, task_index, canonical_set(problems, tokenizer, task), expert,

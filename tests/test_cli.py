@@ -50,7 +50,10 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert set(darts["tasks"]) == {"code", "math", "instruct"}
     for task in darts["tasks"].values():
         assert task["bias_after"] < task["bias_before"]
+        # The router the calibration fit answers the same problems: the routed model's score beside the oracle's.
+        assert 0.0 <= task["score_routed"] <= 1.0 and "score_corrected" in task
     assert darts["overall"]["bias_reduction"] > 0.1
+    assert 0.0 <= report["router"]["accuracy"] <= 1.0
     for plot in report["plots"].values():
         assert Path(plot).read_bytes().startswith(b"\x89PNG")
     assert str(report_path) in result.stdout  # says where it wrote
