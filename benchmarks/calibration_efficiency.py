@@ -13,7 +13,7 @@ import time
 
 from common import demo_setup, emit, forward_floor, note, parser
 
-from darts_dist.distributed import job_plan, run_calibration_job
+from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
 
 
 def main() -> None:

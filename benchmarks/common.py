@@ -21,13 +21,13 @@ import psutil
 import torch
 
 from darts_dist.cli import packaged_config
-from darts_dist.config import RunConfig, load_config
-from darts_dist.data import TokenizedSet
-from darts_dist.features import model_dtype, resolve_device
+from darts_dist.config import RunConfig, load_config, updated
+from darts_dist.core import TokenizedSet
 from darts_dist.fsutil import cache_root
-from darts_dist.models import load_causal_lm, load_tokenizer
-from darts_dist.pipeline import merge_stage, tokenized
-from darts_dist.sources import ResolvedSources, resolve_sources
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
+from darts_dist.pipeline import merge_stage
+from darts_dist.sources.data import tokenized
+from darts_dist.sources.references import ResolvedSources, resolve_sources
 
 # Ray's token auth is for shared clusters; a benchmark's local cluster is this process's own.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -60,14 +60,14 @@ def parser(description: str, samples: int, steps: int) -> argparse.ArgumentParse
 def demo_setup(name: str, args: argparse.Namespace, **cluster: object) -> tuple[RunConfig, ResolvedSources, Path]:
     """The demo config (or its tiny twin) resized by `args`, its sources, and its merged model (cached)."""
     config = load_config(packaged_config("tiny" if args.tiny else "demo"))
-    settings = config.calibration.model_copy(update={"num_samples": args.samples, "steps": args.steps})
-    cluster_settings = config.cluster.model_copy(update={
-        "num_workers": args.workers, "zero_stage": args.zero_stage, "cpus_per_worker": args.cpus_per_worker,
+    settings = updated(config.calibration, num_samples=args.samples, steps=args.steps)
+    cluster_settings = updated(
+        config.cluster, num_workers=args.workers, zero_stage=args.zero_stage, cpus_per_worker=args.cpus_per_worker,
         # A fresh run id: a benchmark must never resume (and so skip) an earlier run.
-        "run_id": f"{name}-{time.strftime('%Y%m%d-%H%M%S')}", **cluster,
-    })
+        run_id=f"{name}-{time.strftime('%Y%m%d-%H%M%S')}", **cluster,
+    )
     out = cache_root() / "benchmarks" / ("tiny" if args.tiny else "demo")
-    config = config.model_copy(update={"output_dir": out, "calibration": settings, "cluster": cluster_settings})
+    config = updated(config, output_dir=out, calibration=settings, cluster=cluster_settings)
     # stdout carries only the results' JSON lines; the stages' own messages go with the progress.
     with contextlib.redirect_stdout(sys.stderr):
         sources = resolve_sources(config)
@@ -76,7 +76,7 @@ def demo_setup(name: str, args: argparse.Namespace, **cluster: object) -> tuple[
 
 def calibration_sets(config: RunConfig, sources: ResolvedSources) -> dict[str, TokenizedSet]:
     tokenizer = load_tokenizer(sources.base)
-    return {task: tokenized(config, sources, task, "calibration", tokenizer) for task in config.tasks}
+    return {task: tokenized(sources.data[task], task, "calibration", config.calibration, tokenizer) for task in config.tasks}
 
 
 @torch.no_grad()

@@ -256,7 +256,7 @@ def fit_demo_router(config, sources, merged_dir):
 
     from darts_dist.fsutil import cache_root
     from darts_dist.generation import CorrectedLM
-    from darts_dist.router import ROUTER_FILE, fit_router, prompt_features
+    from darts_dist.calibrate.router import ROUTER_FILE, fit_router, prompt_features
     from serve_overhead import task_prompts
 
     path = cache_root() / "benchmarks" / "serve" / f"{merged_dir.parent.name}-{ROUTER_FILE}"

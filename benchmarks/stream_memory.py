@@ -13,10 +13,10 @@ import time
 
 from common import PeakMemory, demo_setup, emit, note, parser
 
-from darts_dist.config import RunConfig
-from darts_dist.distributed import job_plan, run_calibration_job
+from darts_dist.config import RunConfig, updated
+from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
 from darts_dist.fsutil import cache_root
-from darts_dist.sources import demo_data, resolve_sources
+from darts_dist.sources.references import demo_data, resolve_sources
 
 TARGET = 1.2
 
@@ -30,8 +30,8 @@ def with_repeated_data(config: RunConfig, samples: int) -> RunConfig:
         rows = demo_data()[expert.task]["calibration"].read_text().splitlines()
         path = out / f"{expert.task}-{samples}.jsonl"
         path.write_text("\n".join((rows * (samples // len(rows) + 1))[:samples]) + "\n")
-        experts.append(expert.model_copy(update={"data": expert.data.model_copy(update={"calibration": str(path)})}))
-    return config.model_copy(update={"sources": config.sources.model_copy(update={"experts": experts})})
+        experts.append(updated(expert, data=updated(expert.data, calibration=str(path))))
+    return updated(config, sources=updated(config.sources, experts=experts))
 
 
 def measure(args, samples: int) -> dict[str, float]:

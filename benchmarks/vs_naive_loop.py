@@ -15,12 +15,13 @@ import time
 import torch
 from common import calibration_sets, demo_setup, emit, note, parser
 
-from darts_dist.calibrate import batch_positions, build_corrections, calibration_loss
+from darts_dist.calibrate.loop import build_corrections, calibration_loss
+from darts_dist.core import mask_positions
 from darts_dist.config import RunConfig
-from darts_dist.distributed import job_plan, run_calibration_job
-from darts_dist.features import expert_targets, merged_hidden
-from darts_dist.models import load_causal_lm
-from darts_dist.sources import ResolvedSources
+from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
+from darts_dist.calibrate.features import expert_targets, merged_hidden
+from darts_dist.sources.models import load_causal_lm
+from darts_dist.sources.references import ResolvedSources
 
 
 def naive_loop(config: RunConfig, sources: ResolvedSources, merged_dir) -> list[float]:
@@ -44,7 +45,7 @@ def naive_loop(config: RunConfig, sources: ResolvedSources, merged_dir) -> list[
             targets, entropy = expert_targets(experts[task], rows.input_ids, rows.attention_mask, settings.layers)
             batch = {
                 "attention_mask": rows.attention_mask, "response_mask": rows.response_mask,
-                "positions": batch_positions(rows.attention_mask), "entropy": entropy, "targets": targets,
+                "positions": mask_positions(rows.attention_mask), "entropy": entropy, "targets": targets,
                 "merged": merged_hidden(merged, rows.input_ids, rows.attention_mask, settings.layers),
             }
             loss = calibration_loss(corrections, batch, index, settings.beta_for(task), settings.weight_on_for(task))

@@ -24,64 +24,39 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
-from darts_dist.calibrate import (
-    TaskFeatures,
-    collect_features,
-    collect_merged,
-    features_only,
-    model_dtype,
-    resolve_device,
-    train_corrections,
-)
-from darts_dist.config import CalibrationSection, RunConfig, TaskCalibration
-from darts_dist.core import DartsCorrections, save_corrections
-from darts_dist.data import TokenizedSet
+from darts_dist.calibrate.corrections import save_corrections_for
+from darts_dist.calibrate.features import TaskFeatures, collect_features, collect_merged, features_only
+from darts_dist.calibrate.loop import train_corrections
+from darts_dist.calibrate.router import fit_run_router
+from darts_dist.config import CalibrationSection, RunConfig, TaskCalibration, updated
+from darts_dist.core import TaskRouter, TokenizedSet
 from darts_dist.errors import DartsError
-from darts_dist.evaluate import (
-    Outputs,
-    Reference,
-    TaskTally,
-    corrected_outputs,
-    format_value,
-    merged_outputs,
-    overall,
-    reference,
-)
-from darts_dist.features import LayerKey
-from darts_dist.generation import CorrectedLM
+from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
+from darts_dist.evaluate.plots import plot_ablation_bias
+from darts_dist.evaluate.tables import format_value
 from darts_dist.merge import merge_methods as known_merge_methods
-from darts_dist.models import load_causal_lm, load_tokenizer
-from darts_dist.pipeline import corrections_metadata, headline_layer, merge_stage, tokenized
-from darts_dist.plots import plot_ablation_bias
-from darts_dist.router import ROUTED, TaskRouter, fit_run_router
-from darts_dist.sources import ResolvedSources, resolve_sources
-from darts_dist.task_scores import (
-    Problem,
-    Scorer,
-    canonical_fields,
-    canonical_set,
-    pass_rate,
-    score_fields,
-    scorer_for,
-)
-from darts_dist.tracking import Tracking, log_config, log_evaluation
+from darts_dist.pipeline import merge_stage
+from darts_dist.sources.data import tokenized
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
+from darts_dist.sources.references import ResolvedSources, resolve_sources
+from darts_dist.tracking.runs import Tracking, evaluation_metrics, log_config, log_evaluation
 
 logger = logging.getLogger(__name__)
 
 
 def _no_entropy(settings: CalibrationSection) -> CalibrationSection:
     # Per-task overrides go too: they are where a per-task β lives.
-    return settings.model_copy(update={"beta": 0.0, "tasks": {}})
+    return updated(settings, beta=0.0, tasks={})
 
 
 def _no_position(settings: CalibrationSection) -> CalibrationSection:
-    return settings.model_copy(update={"position_bias": "none", "position_rank": None})
+    return updated(settings, position_bias="none", position_rank=None)
 
 
 def _with_position(settings: CalibrationSection) -> CalibrationSection:
-    return settings if settings.position_bias != "none" else settings.model_copy(update={"position_bias": "per_task"})
+    return settings if settings.position_bias != "none" else updated(settings, position_bias="per_task")
 
 
 # Each variant's calibration settings from DARTS's (the config's, or the tuned ones); None: no correction.
@@ -152,8 +127,8 @@ def plan_ablation(
         fraction = 0.2
     if not 0 <= fraction < 1 or (trials and fraction == 0):
         raise DartsError(f"validation fraction {fraction}: tuning needs one in (0, 1)", "e.g. --validation-fraction 0.2")
-    settings = settings.model_copy(update={"validation_fraction": fraction})
-    config = config.model_copy(update={"calibration": settings})
+    config = updated(config, calibration=updated(settings, validation_fraction=fraction))
+    settings = config.calibration
     return AblationPlan(config, methods, {name: make(settings) for name, make in VARIANTS.items()}, trials, select)
 
 
@@ -166,10 +141,8 @@ def sweep_settings(
     pairs = [(VARIANTS["surgery"](settings), settings)]
     for _ in range(trials - 1):
         shared = {key: rng.choice(space[key]) for key in SHARED_KNOBS}
-        betas = {t: (settings.tasks.get(t) or TaskCalibration()).model_copy(update={"beta": rng.choice(space["beta"])})
-                 for t in tasks}
-        darts = settings.model_copy(update={**shared, "max_positions": rng.choice(space["max_positions"]),
-                                            "tasks": betas})
+        betas = {t: updated(settings.tasks.get(t) or TaskCalibration(), beta=rng.choice(space["beta"])) for t in tasks}
+        darts = updated(settings, **shared, max_positions=rng.choice(space["max_positions"]), tasks=betas)
         pairs.append((VARIANTS["surgery"](darts), darts))
     return pairs
 
@@ -178,141 +151,61 @@ def sweep_settings(
 
 
 @dataclass
-class ExpertSide:
-    """One task and everything its expert contributes, computed once for every merge method."""
+class Context:
+    """What every phase of one ablation shares: the config, its sources, the evaluator, where models run."""
 
-    task: str
-    index: int
-    calibration: TokenizedSet
-    features: TaskFeatures  # calibration: the expert's targets and entropy (no merged states)
-    heldout: list[Reference]
-    validation: list[Reference]  # empty without tuning
-    scorer: Scorer | None
-    problems: list[Problem]
-    canonical: list[Reference]  # the reference answers' batches (scorers with canonical NLL)
-    score: float | None  # the expert's own task score
-
-
-@dataclass
-class MergedSide:
-    """One merged model's outputs on one task's sets, computed once for every variant."""
-
-    features: TaskFeatures  # with the merged model's states in feature mode
-    heldout: list[Outputs]
-    validation: list[Outputs]
-    canonical: list[Outputs]
-    score: float | None
-
-
-@dataclass
-class _Context:
     config: RunConfig
     sources: ResolvedSources
-    tokenizer: PreTrainedTokenizerBase
-    layer: LayerKey
+    evaluator: Evaluator
     device: torch.device
     dtype: torch.dtype
     progress: bool
 
 
-def _references(expert: PreTrainedModel, data: TokenizedSet | None, ctx: _Context) -> list[Reference]:
-    if data is None:
-        return []
-    return [reference(expert, batch, ctx.layer) for batch in data.batches(ctx.config.calibration.batch_size)]
+@dataclass
+class TaskSide:
+    """One task's expert passes, computed once for every merge: its calibration targets and its evaluation side."""
+
+    calibration: TokenizedSet
+    features: TaskFeatures  # the expert's targets and entropy (no merged states)
+    expert: ExpertSide
 
 
-def _score(lm: CorrectedLM, task: str | None, side: ExpertSide, ctx: _Context) -> float | None:
-    if side.scorer is None or not side.problems:
-        return None
-    return pass_rate(lm, task, side.problems, side.scorer, ctx.config.evaluation)
+@dataclass
+class MergeSides:
+    """One merged model's passes over every task: what each variant trains on and is judged against."""
+
+    features: list[TaskFeatures]  # with the merged model's states in feature mode
+    pairs: list[tuple[ExpertSide, MergedSide]]
 
 
-def expert_side(index: int, ctx: _Context, tune: bool) -> ExpertSide:
+def task_side(index: int, ctx: Context, tune: bool) -> TaskSide:
     """Load task `index`'s expert, run it over every set once, and let it go."""
-    config = ctx.config
-    spec = config.sources.experts[index]
-    task, settings, limit = spec.task, config.calibration, config.evaluation.score_limit
-    scorer = scorer_for(spec) if limit != 0 else None
-    problems = [] if scorer is None else scorer.problems(ctx.sources.data[task].heldout, limit)
+    task, settings = ctx.config.tasks[index], ctx.config.calibration
     expert = load_causal_lm(ctx.sources.experts[task], dtype=ctx.dtype, device=ctx.device)
-    data = tokenized(config, ctx.sources, task, "calibration", ctx.tokenizer)
-    side = ExpertSide(
-        task=task,
-        index=index,
-        calibration=data,
-        features=collect_features(task, index, data, expert, None, settings.layers, settings.batch_size, ctx.progress),
-        heldout=_references(expert, tokenized(config, ctx.sources, task, "heldout", ctx.tokenizer), ctx),
-        validation=_references(expert, tokenized(config, ctx.sources, task, "validation", ctx.tokenizer) if tune
-                               else None, ctx),
-        scorer=scorer,
-        problems=problems,
-        canonical=_references(expert, canonical_set(problems, ctx.tokenizer, task)
-                              if scorer is not None and scorer.canonical_nll and problems else None, ctx),
-        score=None,
-    )
-    logger.info("expert %s: features and held-out outputs done; task score on %d problems", task, len(problems))
-    with CorrectedLM(expert, ctx.tokenizer) as lm:
-        side.score = _score(lm, None, side, ctx)
+    data = tokenized(ctx.sources.data[task], task, "calibration", settings, ctx.evaluator.tokenizer)
+    features = collect_features(task, index, data, expert, None, settings.layers, settings.batch_size, ctx.progress)
+    side = TaskSide(calibration=data, features=features, expert=ctx.evaluator.expert_side(index, expert, tune))
+    logger.info("expert %s: features, held-out outputs and task score done", task)
     del expert
     gc.collect()
     return side
 
 
-def merged_side(merged: PreTrainedModel, side: ExpertSide, ctx: _Context) -> MergedSide:
-    """The merged model over one task's sets (and its calibration states in feature mode)."""
+def merge_sides(merged: PreTrainedModel, sides: Sequence[TaskSide], ctx: Context) -> MergeSides:
+    """The merged model over every task's sets, and over its calibration sets in feature mode."""
     settings = ctx.config.calibration
-    features = side.features
-    if features_only(settings.layers):
-        features = replace(features, merged=collect_merged(side.task, side.calibration, merged, settings.layers,
-                                                           settings.batch_size, ctx.progress))
-    outputs = {name: [merged_outputs(merged, ref, ctx.layer) for ref in getattr(side, name)]
-               for name in ("heldout", "validation", "canonical")}
-    with CorrectedLM(merged, ctx.tokenizer) as lm:
-        score = _score(lm, None, side, ctx)
-    return MergedSide(features=features, score=score, **outputs)
-
-
-def _tally(
-    refs: Sequence[Reference], plains: Sequence[Outputs], merged: PreTrainedModel,
-    corrections: DartsCorrections | None, side: ExpertSide, layer: LayerKey,
-) -> dict[str, object]:
-    """The evaluation's results on one set; without corrections the 'corrected' model is the merged one."""
-    tally = TaskTally()
-    for ref, plain in zip(refs, plains):
-        fixed = plain if corrections is None else corrected_outputs(merged, ref, plain, corrections, side.index, layer)
-        tally.add(ref, plain, fixed)
-    return tally.result(side.task, layer)
-
-
-def evaluate_variant(
-    merged: PreTrainedModel,
-    corrections: DartsCorrections | None,
-    sides: Sequence[tuple[ExpertSide, MergedSide]],
-    ctx: _Context,
-    split: str = "heldout",
-    router: TaskRouter | None = None,
-) -> dict[str, object]:
-    """{"overall", "tasks"} of one variant on the held-out (or validation) split; held-out adds task scores,
-    and with a router the routed model's (the task left to the router, as for served `routed` requests)."""
-    tasks = {}
-    for side, plain in sides:
-        result = _tally(getattr(side, split), getattr(plain, split), merged, corrections, side, ctx.layer)
-        if split == "heldout" and side.scorer is not None and side.problems:
-            corrected = plain.score  # without corrections, the merged model is the 'corrected' one
-            routed = None
-            if corrections is not None:
-                with CorrectedLM(merged, ctx.tokenizer, corrections, router) as lm:
-                    corrected = _score(lm, side.task, side, ctx)
-                    routed = None if router is None else _score(lm, ROUTED, side, ctx)
-            result |= score_fields(side.scorer, len(side.problems), side.score, plain.score, corrected, routed)
-            if side.canonical:
-                result |= canonical_fields(_tally(side.canonical, plain.canonical, merged, corrections, side, ctx.layer))
-        tasks[side.task] = result
-    return {"overall": overall(tasks), "tasks": tasks}
+    features = [
+        replace(side.features, merged=collect_merged(side.expert.task, side.calibration, merged, settings.layers,
+                                                     settings.batch_size, ctx.progress))
+        if features_only(settings.layers) else side.features
+        for side in sides
+    ]
+    return MergeSides(features, [(side.expert, ctx.evaluator.merged_side(merged, side.expert)) for side in sides])
 
 
 def tune(
-    plan: AblationPlan, merged: PreTrainedModel, sides: Sequence[tuple[ExpertSide, MergedSide]], ctx: _Context
+    plan: AblationPlan, merged: PreTrainedModel, sides: MergeSides, ctx: Context
 ) -> tuple[dict[str, CalibrationSection | None], list[dict[str, object]]]:
     """The random search on the validation split: each trial's results, and the variants built from the winners."""
     settings = plan.config.calibration
@@ -320,8 +213,8 @@ def tune(
     best: dict[str, tuple[float, CalibrationSection]] = {}
     for number, pair in enumerate(sweep_settings(settings, plan.config.tasks, plan.trials, seed=settings.seed)):
         for name, trial in zip(("surgery", "darts"), pair):
-            result = train_corrections([p.features for _, p in sides], trial, merged, progress=False)
-            validation = evaluate_variant(merged, result.corrections, sides, ctx, split="validation")
+            result = train_corrections(sides.features, trial, merged, progress=False)
+            validation = ctx.evaluator.evaluate(merged, result.corrections, sides.pairs, split="validation")
             value = validation["overall"][plan.select]
             value = float("-inf") if value is None else value
             trials.append({"trial": number, "variant": name, "settings": _knobs(trial), plan.select: value,
@@ -346,8 +239,8 @@ def _knobs(settings: CalibrationSection) -> dict[str, object]:
 
 
 def _merge_config(config: RunConfig, method: str) -> RunConfig:
-    merge = config.merge.model_copy(update={"method": method, "output": config.run_dir / "ablation" / method / "merged"})
-    return config.model_copy(update={"merge": merge})
+    return updated(config, merge=updated(config.merge, method=method,
+                                         output=config.run_dir / "ablation" / method / "merged"))
 
 
 def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress: bool = True) -> dict[str, object]:
@@ -359,9 +252,9 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         log_config(tracking, config)
     device = resolve_device(settings.device)
     sources = resolve_sources(config)
-    ctx = _Context(config, sources, load_tokenizer(sources.base), headline_layer(settings.layers), device,
-                   model_dtype(settings.dtype, device), progress)
-    experts = [expert_side(index, ctx, tune=plan.trials > 0) for index in range(len(config.tasks))]
+    evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), progress)
+    ctx = Context(config, sources, evaluator, device, model_dtype(settings.dtype, device), progress)
+    experts = [task_side(index, ctx, tune=plan.trials > 0) for index in range(len(config.tasks))]
     methods: dict[str, dict[str, object]] = {}
     variants, trials, router_report = plan.variants, None, None
     for method in plan.merge_methods:
@@ -369,9 +262,9 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         merged = load_causal_lm(merged_dir, dtype=ctx.dtype, device=device)
         router = None
         if method == plan.merge_methods[0]:  # the router of the headline merge: its accuracy and DARTS's routed scores
-            router_report = fit_run_router(config, sources, merged_dir, ctx.layer, model=merged)
+            router_report = fit_run_router(config, sources.data, merged_dir, evaluator.layer, model=merged)
             router = TaskRouter.load(Path(router_report["path"]))
-        sides = [(side, merged_side(merged, side, ctx)) for side in experts]
+        sides = merge_sides(merged, experts, ctx)
         tuned_here = plan.trials > 0 and trials is None
         if tuned_here:  # on the headline merge; the others reuse its winners, so merges compare at equal settings
             variants, trials = tune(plan, merged, sides, ctx)
@@ -398,8 +291,11 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     }
     if tracking is not None:
         tracking.log_file(tracking.run_id, plot, "plots")
-        tracking.log_metrics(tracking.run_id, {f"router.{key}": router_report[key]
-                                               for key in ("accuracy", "train_accuracy") if key in router_report})
+        headline = evaluation_metrics(report["variants"]["darts"])
+        tracking.log_metrics(tracking.run_id, {
+            **{key: value for key, value in headline.items() if key.startswith("eval.overall.")},
+            **{f"router.{key}": router_report[key] for key in ("accuracy", "train_accuracy") if key in router_report},
+        })
         report["tracking"] = {"uri": tracking.uri, "experiment_id": tracking.experiment_id,
                               "run_id": tracking.run_id, "stage_runs": tracking.stages}
     return report
@@ -407,20 +303,19 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
 
 def _run_variant(
     name: str, settings: CalibrationSection | None, method: str, merged: PreTrainedModel, merged_dir: Path,
-    sides: Sequence[tuple[ExpertSide, MergedSide]], ctx: _Context, tracking: Tracking | None,
-    router: TaskRouter | None = None,
+    sides: MergeSides, ctx: Context, tracking: Tracking | None, router: TaskRouter | None = None,
 ) -> dict[str, object]:
     """Train one variant (none for `merged`), save its corrections, evaluate it on held-out data, log it."""
     logger.info("%s / %s: %s", method, name, "evaluating" if settings is None else "training, then evaluating")
     corrections = calibration = path = None
     if settings is not None:
-        result = train_corrections([p.features for _, p in sides], settings, merged, progress=ctx.progress)
+        result = train_corrections(sides.features, settings, merged, progress=ctx.progress)
         corrections = result.corrections
-        path = save_corrections(ctx.config.run_dir / "ablation" / method / f"{name}.safetensors",
-                                corrections.cpu(), metadata=corrections_metadata(merged_dir))
+        path = save_corrections_for(ctx.config.run_dir / "ablation" / method / f"{name}.safetensors", corrections,
+                                    merged_dir)
         corrections = corrections.to(ctx.device)
         calibration = {"first_loss": result.losses[0], "final_loss": result.losses[-1], "train_seconds": result.seconds}
-    evaluation = evaluate_variant(merged, corrections, sides, ctx, router=router)
+    evaluation = ctx.evaluator.evaluate(merged, corrections, sides.pairs, router=router)
     summary = {
         "settings": None if settings is None else settings.model_dump(mode="json"),
         "corrections": None if path is None else str(path),

@@ -16,43 +16,22 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from darts_dist.config import RunConfig, TrackingSection, is_mergekit_yaml, load_config, read_yaml
+from darts_dist.config import CORRECTIONS_FILE, RunConfig, TrackingSection, is_mergekit_yaml, load_config, read_yaml
 from darts_dist.errors import DartsError
+from darts_dist.evaluate.tables import evaluation_tables
+from darts_dist.logs import show_progress_logs
+from darts_dist.options import add_config_flags, apply_config_flags
 
 if TYPE_CHECKING:  # for annotations only: these modules import torch and MLflow, which take seconds
     from darts_dist.pipeline import RunState
-    from darts_dist.tracking import Tracking
+    from darts_dist.tracking.runs import Tracking
+
+logger = logging.getLogger("darts_dist.cli")
 
 
 # Wide enough for the result table when output goes to a file or CI log (rich assumes 80 there).
 console = Console(width=None if sys.stdout.isatty() else 140)
 errors = Console(stderr=True, soft_wrap=True)  # paths in messages stay on one line
-
-TABLE_COLUMNS = {
-    "bias_before": "bias merged",
-    "bias_after": "bias corrected",
-    "bias_reduction": "bias reduction",
-    "weighted_bias_reduction": "entropy-weighted",
-    "late_bias_reduction": "late (t>=64)",
-    "nll_expert": "NLL expert",
-    "nll_merged": "NLL merged",
-    "nll_corrected": "NLL corrected",
-    "nll_gap_closed": "NLL gap closed",
-}
-
-
-SCORE_COLUMNS = {
-    "score_name": "scorer",
-    "score_n": "n",
-    "score_expert": "expert",
-    "score_merged": "merged",
-    "score_corrected": "corrected",
-    "score_routed": "routed",
-    "canonical_nll_expert": "solution NLL expert",
-    "canonical_nll_merged": "solution NLL merged",
-    "canonical_nll_corrected": "solution NLL corrected",
-}
-
 
 # Heavy imports (torch, transformers, mergekit) happen inside the commands, so `--help` and
 # `validate` answer at once.
@@ -63,57 +42,29 @@ def packaged_config(name: str) -> Path:
     return Path(str(resources.files("darts_dist") / "configs" / f"{name}.yaml"))
 
 
-def _with_output_dir(config: RunConfig, output_dir: Path | None) -> RunConfig:
-    return config if output_dir is None else config.model_copy(update={"output_dir": output_dir.absolute()})
+def command_config(path: Path, args: argparse.Namespace) -> RunConfig:
+    """The YAML at `path` with the command line's config flags applied, all validated."""
+    return apply_config_flags(load_config(path), args)
 
 
-def _with_score_limit(config: RunConfig, limit: str | None) -> RunConfig:
-    """--score-limit N|all overrides evaluation.score_limit (0: no task scores)."""
-    if limit is None:
-        return config
-    if limit != "all" and not (limit.isdigit()):
-        raise DartsError(f"--score-limit takes a number of problems or 'all', got {limit!r}", "e.g. --score-limit 20")
-    value = None if limit == "all" else int(limit)
-    return config.model_copy(update={"evaluation": config.evaluation.model_copy(update={"score_limit": value})})
-
-
-def _with_executor(config: RunConfig, args: argparse.Namespace) -> RunConfig:
-    """--in-process and --address override the config's cluster section."""
-    update = {}
-    if args.in_process:
-        update["executor"] = "in-process"
-    if args.address:
-        update["address"] = args.address
-    return config.model_copy(update={"cluster": config.cluster.model_copy(update=update)}) if update else config
-
-
-def print_results(title: str, evaluation: dict) -> None:
-    from darts_dist.evaluate import evaluation_rows
-
-    _print_table(title, ["task", *TABLE_COLUMNS.values()], evaluation_rows(evaluation["tasks"], list(TABLE_COLUMNS)))
-    scored = {task: result for task, result in evaluation["tasks"].items() if "score_name" in result}
-    if scored:
-        _print_table("task scores (greedy, held-out; HumanEval: pass@1 and NLL of the canonical solution)",
-                     ["task", *SCORE_COLUMNS.values()], evaluation_rows(scored, list(SCORE_COLUMNS)))
-
-
-def _print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    table = Table(title=title)
-    for index, heading in enumerate(headers):
-        table.add_column(heading, justify="left" if index == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+def print_tables(tables: Sequence[tuple[str, Sequence[str], Sequence[Sequence[str]]]]) -> None:
+    for title, headers, rows in tables:
+        table = Table(title=title)
+        for index, heading in enumerate(headers):
+            table.add_column(heading, justify="left" if index == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
 
 
 @contextmanager
 def _session(settings: TrackingSection, name: str, command: str) -> Iterator[Tracking]:
     """The command's MLflow session; it fails fast, before any model loads, if the store is unreachable."""
-    from darts_dist.tracking import session
+    from darts_dist.tracking.runs import session
 
     with session(settings, name, command) as tracking:
         # Said first, so the run can be found (and `darts-dist register`ed) even if the command fails.
-        console.print(f"mlflow: run {tracking.run_id} at {tracking.uri}")
+        logger.info("mlflow: run %s at %s", tracking.run_id, tracking.uri)
         yield tracking
 
 
@@ -158,7 +109,7 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 def cmd_merge(args: argparse.Namespace) -> None:
     from darts_dist.merge import load_mergekit_yaml, mergekit_model_paths, run_merge
-    from darts_dist.tracking import log_config, log_merge
+    from darts_dist.tracking.runs import log_config, log_merge
 
     if args.out.exists() and not args.overwrite:
         raise DartsError(f"merge output folder {args.out.absolute()} already exists",
@@ -175,7 +126,7 @@ def cmd_merge(args: argparse.Namespace) -> None:
             sources = {f"model_{i}": path for i, path in enumerate(mergekit_model_paths(mergekit_config))}
         else:
             from darts_dist.pipeline import mergekit_config_for
-            from darts_dist.sources import resolve_sources
+            from darts_dist.sources.references import resolve_sources
 
             log_config(tracking, config)
             resolved = resolve_sources(config)
@@ -192,15 +143,15 @@ def cmd_merge(args: argparse.Namespace) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
 
-    config = _with_score_limit(_with_executor(_with_output_dir(load_config(args.config), args.output_dir), args),
-                               args.score_limit)
+    config = command_config(args.config, args)
     with _session(config.tracking, config.name, "calibrate") as tracking:
         state = prepare(config, tracking)
         corrections = run_calibration(state)
         console.print(f"corrections: {corrections}")
         # The registry's alias moves on held-out results, so evaluate whenever there is held-out data.
         if has_heldout(state):
-            print_results(f"{config.name}: held-out, merged vs. corrected", run_evaluation(state, corrections))
+            print_tables(evaluation_tables(f"{config.name}: held-out, merged vs. corrected",
+                                           run_evaluation(state, corrections)))
         register_calibration(state)
         _print_registration(state)
         _finish(state.report, args.report, config.run_dir / "calibration.json", tracking)
@@ -209,14 +160,15 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import prepare, run_evaluation
 
-    config = _with_score_limit(_with_output_dir(load_config(args.config), args.output_dir), args.score_limit)
-    corrections = args.corrections or config.run_dir / "corrections.safetensors"
+    config = command_config(args.config, args)
+    corrections = args.corrections or config.run_dir / CORRECTIONS_FILE
     if not corrections.is_file():
         raise DartsError(f"no corrections at {corrections}",
                          f"run `darts-dist calibrate {args.config}` first, or pass --corrections PATH")
     with _session(config.tracking, config.name, "evaluate") as tracking:
         state = prepare(config, tracking)
-        print_results(f"{config.name}: held-out, merged vs. corrected", run_evaluation(state, corrections))
+        print_tables(evaluation_tables(f"{config.name}: held-out, merged vs. corrected",
+                                       run_evaluation(state, corrections)))
         _finish(state.report, args.report, config.run_dir / "evaluation.json", tracking)
 
 
@@ -224,11 +176,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import prepare, register_calibration, run_calibration, run_evaluation
 
     name = "tiny" if args.tiny else "demo"
-    config = _with_score_limit(
-        _with_executor(_with_output_dir(load_config(packaged_config(name)), args.output_dir), args), args.score_limit)
-    if args.steps is not None:
-        config = config.model_copy(update={"calibration": config.calibration.model_copy(update={"steps": args.steps})})
-    console.print(f"darts-dist demo ({name}): run folder {config.run_dir}")
+    config = command_config(packaged_config(name), args)
+    logger.info("darts-dist demo (%s): run folder %s", name, config.run_dir)
     if args.ablate:  # the ablation table on the same config instead of one calibration
         return _ablate(config, args)
     if args.merge_methods or args.tune or args.validation_fraction is not None:
@@ -238,7 +187,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         state = prepare(config, tracking)
         console.print(f"corrections: {run_calibration(state)}")
         evaluation = run_evaluation(state, Path(state.report["corrections"]))
-        print_results(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation)
+        print_tables(evaluation_tables(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation))
         console.print(f"plots: {config.run_dir / 'plots'}")
         register_calibration(state)
         _print_registration(state)
@@ -246,7 +195,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_ablate(args: argparse.Namespace) -> None:
-    _ablate(_with_score_limit(_with_output_dir(load_config(args.config), args.output_dir), args.score_limit), args)
+    _ablate(command_config(args.config, args), args)
 
 
 def _ablate(config: RunConfig, args: argparse.Namespace) -> None:
@@ -257,14 +206,13 @@ def _ablate(config: RunConfig, args: argparse.Namespace) -> None:
                          select=args.select)
     with _session(config.tracking, config.name, "ablate") as tracking:
         report = run_ablation(plan, tracking)
-        for title, headers, rows in ablation_tables(report):
-            _print_table(f"{config.name}: {title}", headers, rows)
+        print_tables([(f"{config.name}: {title}", headers, rows) for title, headers, rows in ablation_tables(report)])
         _finish(report, args.report, config.run_dir / "ablation.json", tracking)
 
 
 def cmd_register(args: argparse.Namespace) -> None:
-    from darts_dist.registry import register_run
-    from darts_dist.tracking import connect, tracking_uri
+    from darts_dist.tracking.registry import register_run
+    from darts_dist.tracking.runs import connect, tracking_uri
 
     run_id, configured, report_path = _registration_target(args.run)
     client = connect(tracking_uri(configured))
@@ -278,8 +226,8 @@ def cmd_register(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from darts_dist.serve import API_KEY_ENV, run_foreground
-    from darts_dist.served import resolve_model, serve_settings
+    from darts_dist.serve.app import API_KEY_ENV, run_foreground
+    from darts_dist.serve.model import resolve_model, serve_settings
 
     source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
                                    router=args.router, name=args.name)
@@ -290,8 +238,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_serve_deploy(args: argparse.Namespace) -> None:
     import ray
 
-    from darts_dist.serve import API_KEY_ENV, start
-    from darts_dist.served import resolve_model, serve_settings
+    from darts_dist.serve.app import API_KEY_ENV, start
+    from darts_dist.serve.model import resolve_model, serve_settings
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     if not address:
@@ -315,7 +263,7 @@ def _complete_offline_run(client, report_path: Path) -> None:
     import json
 
     from darts_dist.pipeline import complete_tracking, write_report
-    from darts_dist.tracking import Tracking
+    from darts_dist.tracking.runs import Tracking
 
     report = json.loads(report_path.read_text())
     tracked = report["tracking"]
@@ -358,7 +306,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = command("demo", "run the main job on the embedded default (SmolLM2-135M and its demo experts)", cmd_demo)
     demo.add_argument("--tiny", action="store_true", help="the same pipeline on tiny random models (about a minute)")
-    demo.add_argument("--steps", type=int, default=None, help="override calibration.steps")
     demo.add_argument("--ablate", action="store_true",
                       help="run the ablation (as `darts-dist ablate`) on the demo config instead of one calibration")
 
@@ -414,30 +361,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of the calibration data held back for tuning (default: the config's, else 0.2)")
         p.add_argument("--select", default="nll_gap_closed",
                        help="validation metric tuning maximises (default nll_gap_closed)")
+    add_config_flags(demo, "--steps")
     for p in (demo, calibrate, evaluate, ablate):
-        p.add_argument("--score-limit", default=None, metavar="N|all",
-                       help="task-score problems per task (default: evaluation.score_limit; 0: none)")
-    for p in (demo, calibrate, evaluate, ablate):
-        p.add_argument("--output-dir", type=Path, default=None, help="override the config's output_dir")
+        add_config_flags(p, "--score-limit", "--output-dir")
     for p in (demo, calibrate):
-        p.add_argument("--address", default=None,
-                       help="an existing Ray cluster to calibrate on (default: cluster.address, RAY_ADDRESS, "
-                            "else a local cluster started for the job)")
-        p.add_argument("--in-process", action="store_true",
-                       help="calibrate with the one-process reference loop instead of Ray")
+        add_config_flags(p, "--address", "--in-process")
     for p in (demo, merge, calibrate, evaluate, register, ablate):
         p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
     return parser
-
-
-def show_progress_logs() -> None:
-    """darts-dist's own INFO lines (downloads, conversions, stages) on stderr; other libraries stay quiet."""
-    logger = logging.getLogger("darts_dist")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

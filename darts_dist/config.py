@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -12,6 +13,10 @@ from darts_dist.errors import DartsError
 
 PositiveInt = Annotated[int, Field(gt=0)]
 Layer = int | Literal["final"]
+# What a run folder (OUTPUT_DIR/NAME) holds, by name; the router's file is core.ROUTER_FILE.
+RUN_CONFIG_FILE = "config.yaml"  # the validated config that made the run
+MERGED_FOLDER = "merged"  # the merged model, unless merge.output puts it elsewhere
+CORRECTIONS_FILE = "corrections.safetensors"
 # Served model ids are NAME:<task>, NAME:merged (no correction) and NAME (task "auto": routed).
 RESERVED_TASKS = ("auto", "merged")
 
@@ -237,11 +242,30 @@ class RunConfig(_Section):
     def run_dir(self) -> Path:
         return self.output_dir / self.name
 
+    @property
+    def merged_dir(self) -> Path:
+        """Where the run's merged model goes: `merge.output`, else RUN_DIR/merged."""
+        return self.merge.output or self.run_dir / MERGED_FOLDER
 
-def _format_errors(error: ValidationError) -> str:
+
+Section = TypeVar("Section", bound=_Section)
+
+
+def updated(section: Section, **changes: Any) -> Section:
+    """A copy of a config (or a section of one) with `changes`, validated like the YAML it came from.
+
+    Not pydantic's model_copy, which skips validation: a bad value must fail here, with its key path
+    (e.g. `calibration.steps`), not later inside the work.
+    """
+    return type(section).model_validate({**section.model_dump(), **changes})
+
+
+def format_errors(error: ValidationError, names: Mapping[str, str] | None = None) -> str:
+    """One line per problem: its key path (or, given `names`, what the user wrote for it) and the reason."""
     lines = []
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        where = (names or {}).get(where, where)
         reason = "unknown key (check its spelling or remove it)" if item["type"] == "extra_forbidden" else item["msg"]
         lines.append(f"  {where}: {reason}")
     return "\n".join(lines)
@@ -255,7 +279,7 @@ def parse_config(data: Any, origin: str = "config") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
-        raise DartsError(f"{origin} is not a valid darts-dist config:\n{_format_errors(error)}",
+        raise DartsError(f"{origin} is not a valid darts-dist config:\n{format_errors(error)}",
                          "fix the keys above; jobs/configs/demo.yaml shows every section") from None
 
 
@@ -310,15 +334,14 @@ def resolve_paths(config: RunConfig, root: Path) -> RunConfig:
     for expert in config.sources.experts:
         data = expert.data
         if data is not None:
-            data = data.model_copy(update={
-                "calibration": _resolve_source(data.calibration, root),
-                "heldout": None if data.heldout is None else _resolve_source(data.heldout, root),
-            })
-        experts.append(expert.model_copy(update={"path": _resolve_source(expert.path, root), "data": data}))
-    sources = config.sources.model_copy(update={"base": _resolve_source(config.sources.base, root), "experts": experts})
-    merge = config.merge.model_copy(update={
-        "mergekit_yaml": None if config.merge.mergekit_yaml is None else _resolve(config.merge.mergekit_yaml, root),
-        "output": None if config.merge.output is None else _resolve(config.merge.output, root),
-    })
+            data = updated(data, calibration=_resolve_source(data.calibration, root),
+                           heldout=None if data.heldout is None else _resolve_source(data.heldout, root))
+        experts.append(updated(expert, path=_resolve_source(expert.path, root), data=data))
+    sources = updated(config.sources, base=_resolve_source(config.sources.base, root), experts=experts)
+    merge = updated(
+        config.merge,
+        mergekit_yaml=None if config.merge.mergekit_yaml is None else _resolve(config.merge.mergekit_yaml, root),
+        output=None if config.merge.output is None else _resolve(config.merge.output, root),
+    )
     # output_dir is where the user runs from, like any command's output; inputs are relative to the config.
-    return config.model_copy(update={"sources": sources, "merge": merge, "output_dir": config.output_dir.absolute()})
+    return updated(config, sources=sources, merge=merge, output_dir=config.output_dir.absolute())

@@ -19,19 +19,17 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.generation.streamers import BaseStreamer
 
-from darts_dist.core import DartsCorrections, attach_corrections, load_corrections, one_hot_tasks
+from darts_dist.calibrate.corrections import load_corrections_for
+from darts_dist.calibrate.features import prompt_features
+from darts_dist.core import ROUTED, DartsCorrections, TaskRouter, attach_corrections, one_hot_tasks, token_batch
 from darts_dist.errors import DartsError
-from darts_dist.models import load_causal_lm, load_tokenizer, read_model_info
-from darts_dist.router import ROUTED, TaskRouter, prompt_features
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 
 logger = logging.getLogger(__name__)
 # The task index of a routed sequence until the router has decided (−1 is no correction, 0..K−1 a task).
 _ROUTE = -2
 # on_text(deltas): each sequence's newly final text after a decoding step ("" when there is none).
 TextCallback = Callable[[list[str]], None]
-
-# What corrections record about the model they were trained against (pipeline.corrections_metadata).
-MODEL_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -61,20 +59,6 @@ def _check_router(router: TaskRouter, tasks: tuple[str, ...], hidden_size: int) 
     if router.hidden_size != hidden_size:
         raise DartsError(f"the router reads hidden states of size {router.hidden_size}, the model's are {hidden_size}",
                          "use the router fit on this merged model")
-
-
-def load_corrections_for(path: Path, merged_dir: Path) -> DartsCorrections:
-    """Load corrections, refusing them when they were made for a model of another shape than `merged_dir`."""
-    corrections, made_for = load_corrections(path)
-    info = read_model_info(merged_dir)
-    for key in MODEL_FIELDS:
-        if key in made_for and made_for[key] != getattr(info, key):
-            raise DartsError(
-                f"corrections {path} were made for a model with {key}={made_for[key]}, "
-                f"but {merged_dir} has {key}={getattr(info, key)}",
-                "calibrate against this merged model, or use the merged model the corrections came from",
-            )
-    return corrections
 
 
 @contextlib.contextmanager
@@ -119,7 +103,7 @@ class CorrectedLM:
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = tokenizer.eos_token_id if eos is None else eos
         self._eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-        self._pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+        self._pad_id = pad_id(tokenizer)
 
     @classmethod
     def load(
@@ -232,14 +216,10 @@ class CorrectedLM:
         task_ids = self._check(len(encoded), tasks, max_new_tokens, temperature, top_p)
         weights, applied = self._task_weights(task_ids, encoded)
         device = next(self.model.parameters()).device
-        width = max(len(ids) for ids in encoded)
         # Left padding, so every sequence's next token is at the same column; the hooks count
         # positions from each sequence's first real token, so padding does not shift P_k.
-        input_ids = torch.full((len(encoded), width), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        for row, ids in enumerate(encoded):
-            input_ids[row, width - len(ids):] = torch.tensor(ids)
-            attention_mask[row, width - len(ids):] = 1
+        input_ids, attention_mask = token_batch(encoded, self._pad_id, side="left")
+        width = input_ids.shape[1]
         # Sampling settings only when sampling: with do_sample=False transformers warns about them.
         if temperature > 0:
             sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p}

@@ -21,10 +21,11 @@ from mergekit.merge import run_merge as mergekit_run_merge
 from mergekit.merge_methods.base import BasePolicy, MergeMethod
 from mergekit.options import MergeOptions
 from pydantic import ValidationError
+from safetensors import SafetensorError
 
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
-from darts_dist.models import check_compatible, read_model_info, resolve_path
+from darts_dist.sources.models import check_compatible, read_model_info, resolve_path
 
 # Keys under which mergekit's schema holds a model reference ("path[@rev][+lora[@rev]]").
 _REFERENCE_KEYS = frozenset({"model", "base_model", "tokenizer_source", "source", "lora", "path"})
@@ -122,7 +123,9 @@ def run_merge(
     try:
         with atomic_dir(out_dir, overwrite=overwrite) as tmp:
             mergekit_run_merge(merge_config, str(tmp), options=options, config_source=source)
-    except Exception as exc:  # mergekit raises bare RuntimeError/KeyError/... for bad inputs
+    # mergekit raises bare RuntimeError / KeyError / ValueError for inputs it cannot merge, and passes on
+    # safetensors' own error for a weight file it cannot read.
+    except (RuntimeError, KeyError, ValueError, OSError, SafetensorError) as exc:
         raise DartsError(
             f"mergekit could not merge into {out_dir}: {type(exc).__name__}: {exc}",
             "check the merge parameters and that every source folder holds complete weights",

@@ -2,62 +2,55 @@
 
 Each stage takes the validated config and plain paths and returns plain values, so the CLI
 and the Ray job entry points are thin glue around these functions. With an MLflow session
-(`tracking.session`) each stage also records itself in its own nested run.
+(`tracking.runs.session`) each stage also records itself in its own nested run.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import logging
 import math
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import yaml
 
-from darts_dist.calibrate import (
-    CalibrationResult,
-    StepCallback,
-    TaskFeatures,
-    collect_features,
-    features_only,
-    model_dtype,
-    resolve_device,
-    train_corrections,
-)
-from darts_dist.config import CalibrationSection, RunConfig
-from darts_dist.core import DartsCorrections, entropy_weights, read_header, save_corrections
-from darts_dist.data import TokenizedSet, calibration_split, load_rows, tokenize_rows
+from darts_dist.calibrate.corrections import load_corrections_for
+from darts_dist.calibrate.in_process import CalibrationOutcome, calibrate_in_process
+from darts_dist.calibrate.ray.job import calibrate_distributed
+from darts_dist.calibrate.ray.placement import placement_tags
+from darts_dist.calibrate.router import fit_run_router
+from darts_dist.config import RUN_CONFIG_FILE, RunConfig
+from darts_dist.core import ROUTER_FILE, TaskRouter, read_header
 from darts_dist.errors import DartsError
-from darts_dist.evaluate import evaluate_task, overall
+from darts_dist.evaluate.evaluator import Evaluator, headline_layer
+from darts_dist.evaluate.plots import plot_bias_by_position, plot_entropy_weights, plot_loss
 from darts_dist.fsutil import atomic_file
-from darts_dist.generation import load_corrections_for
 from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
-from darts_dist.models import content_hash, load_causal_lm, load_tokenizer, non_finite_tensors, read_model_info
-from darts_dist.placement import placement_tags
-from darts_dist.plots import plot_bias_by_position, plot_entropy_weights, plot_loss
-from darts_dist.registry import (
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, non_finite_tensors, resolve_device
+from darts_dist.sources.references import ResolvedSources, resolve_sources
+from darts_dist.tracking.registry import (
     DECISION_TAG,
     Registration,
     log_pyfunc_model,
     register_version,
     registered_model_name,
 )
-from darts_dist.router import ROUTER_FILE, TaskRouter, fit_run_router
-from darts_dist.sources import ResolvedSources, resolve_sources
-from darts_dist.task_scores import score_task, scorer_for
-from darts_dist.tracking import (
+from darts_dist.tracking.runs import (
     CORRECTIONS_TAG,
     Tracking,
+    evaluation_metrics,
     log_calibration,
     log_config,
     log_evaluation,
     log_merge,
     system_tags,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def mergekit_config_for(config: RunConfig, sources: ResolvedSources) -> dict:
@@ -75,12 +68,12 @@ def mergekit_config_for(config: RunConfig, sources: ResolvedSources) -> dict:
 
 
 def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:
-    """Merge into `merge.output` (default RUN_DIR/merged); an identical earlier merge is reused."""
+    """Merge into `config.merged_dir`; an identical earlier merge is reused."""
     mergekit_config = mergekit_config_for(config, sources)
-    out_dir = config.merge.output or config.run_dir / "merged"
+    out_dir = config.merged_dir
     written = out_dir / "mergekit_config.yml"
     if written.is_file() and yaml.safe_load(written.read_text()) == mergekit_config:
-        print(f"merge: reusing {out_dir} (same mergekit config)")
+        logger.info("merge: reusing %s (same mergekit config)", out_dir)
         return out_dir
     merged = run_merge(mergekit_config, out_dir, overwrite=True)
     # NaN or inf weights in a source pass through the merge and would poison every later number.
@@ -97,141 +90,33 @@ def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:
     return merged
 
 
-def tokenized(config: RunConfig, sources: ResolvedSources, task: str, split: str, tokenizer) -> TokenizedSet:
-    """A task's calibration, validation or held-out set, tokenised with the base's tokenizer.
-
-    Validation rows (`calibration.validation_fraction` of the calibration file, for tuning) are
-    never calibrated on; calibration takes the first `num_samples` of the others.
-    """
-    expert = next(e for e in config.sources.experts if e.task == task)
-    files = sources.data[task]
-    rows = load_rows(files.heldout if split == "heldout" else files.calibration, text_field=expert.data.text_field)
-    if split != "heldout":
-        rows = calibration_split(rows, config.calibration.validation_fraction, split)
-    limit = config.calibration.num_samples if split == "calibration" else None
-    return tokenize_rows(
-        rows,
-        tokenizer,
-        task,
-        max_length=config.calibration.max_length,
-        max_samples=limit,
-        fmt=expert.data.format,
-        text_field=expert.data.text_field,
-    )
-
-
-@dataclass
-class CalibrationOutcome:
-    corrections_path: Path
-    result: CalibrationResult
-    entropy_weights: dict[str, torch.Tensor]  # each task's w_t on its real calibration tokens
-    # The Ray job's run id, stream statistics and where its seconds went; None for the in-process loop.
-    job: dict[str, object] | None = None
-
-
-def token_weights(features: TaskFeatures, settings: CalibrationSection) -> torch.Tensor:
-    """A task's entropy weights over its whole calibration set, as the loss weighs its tokens."""
-    weight_mask = features.response_mask if settings.weight_on_for(features.task) == "response" else None
-    weights = entropy_weights(features.entropy, features.attention_mask, settings.beta_for(features.task), weight_mask)
-    return weights[features.attention_mask.bool()]
-
-
-def _release(model: torch.nn.Module) -> None:
-    # Experts are loaded one at a time; free each before the next so peak memory is
-    # the merged model plus one expert.
-    del model
-    gc.collect()
-
-
-def calibrate_stage(
-    config: RunConfig, sources: ResolvedSources, merged_dir: Path, on_step: StepCallback | None = None
-) -> CalibrationOutcome:
-    """Collect each expert's targets once, train the corrections in-process, save them."""
-    settings = config.calibration
-    device = resolve_device(settings.device)
-    dtype = model_dtype(settings.dtype, device)
-    tokenizer = load_tokenizer(sources.base)
-    merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
-    tasks = config.tasks
-    features = []
-    for index, task in enumerate(tasks):
-        data = tokenized(config, sources, task, "calibration", tokenizer)
-        if data.num_truncated:
-            print(f"calibrate: {data.num_truncated} {task} samples cut to max_length={settings.max_length}")
-        expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-        merged_for_features = merged if features_only(settings.layers) else None
-        features.append(
-            collect_features(task, index, data, expert, merged_for_features, settings.layers, settings.batch_size)
-        )
-        _release(expert)
-    result = train_corrections(features, settings, merged, on_step=on_step)
-    corrections = result.corrections
-    path = save_corrections(
-        config.run_dir / "corrections.safetensors",
-        corrections.cpu(),
-        metadata=corrections_metadata(merged_dir),
-    )
-    return CalibrationOutcome(
-        corrections_path=path, result=result, entropy_weights={f.task: token_weights(f, settings) for f in features}
-    )
-
-
-def corrections_metadata(merged_dir: Path) -> dict[str, object]:
-    """What the corrections were trained against, so loading them onto another model is refused."""
-    info = read_model_info(merged_dir)
-    return {
-        "architecture": info.architecture,
-        "hidden_size": info.hidden_size,
-        "num_layers": info.num_layers,
-        "vocab_size": info.vocab_size,
-        "merged_model_hash": content_hash(merged_dir),
-    }
-
-
-def load_matching_corrections(path: Path, merged_dir: Path, tasks: tuple[str, ...]) -> DartsCorrections:
-    """Load corrections and refuse them when they were made for another model or other tasks."""
-    corrections = load_corrections_for(path, merged_dir)
-    if tuple(corrections.spec.tasks) != tuple(tasks):
-        raise DartsError(f"corrections {path} cover tasks {list(corrections.spec.tasks)}, the config has {list(tasks)}",
-                         "use the corrections calibrated with this config")
-    return corrections
-
-
-def headline_layer(layers: list) -> str | int:
-    """Bias is reported at the final representation when corrected there, else at the last surgery layer."""
-    return "final" if "final" in layers else max(layers)
-
-
 def evaluate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None,
     router_path: Path | None = None,
 ) -> dict[str, object]:
     """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert (and routed, with a router)."""
     settings = config.calibration
-    device = resolve_device(settings.device)
-    dtype = model_dtype(settings.dtype, device)
-    tasks = config.tasks
-    missing = [t for t in tasks if sources.data[t].heldout is None]
+    missing = [t for t in config.tasks if sources.data[t].heldout is None]
     if missing:
         raise DartsError(f"tasks {missing} have no held-out data to evaluate on",
                          "set sources.experts[...].data.heldout for each task")
-    corrections = None
+    device = resolve_device(settings.device)
+    dtype = model_dtype(settings.dtype, device)
+    corrections = router = None
     if corrections_path is not None:
-        corrections = load_matching_corrections(corrections_path, merged_dir, tasks).to(device)
-    tokenizer = load_tokenizer(sources.base)
+        corrections = load_corrections_for(corrections_path, merged_dir, config.tasks).to(device)
+        router = None if router_path is None else TaskRouter.load(router_path)
+    evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base))
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
-    layer = headline_layer(settings.layers)
-    router = None if router_path is None or corrections is None else TaskRouter.load(router_path)
-    results = {}
-    for index, spec in enumerate(config.sources.experts):
-        task = spec.task
-        data = tokenized(config, sources, task, "heldout", tokenizer)
+    sides = []
+    for index, task in enumerate(config.tasks):
+        # One expert at a time, let go before the next: peak memory is the merged model plus one expert.
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-        results[task] = evaluate_task(task, index, data, expert, merged, corrections, layer, settings.batch_size)
-        results[task] |= score_task(scorer_for(spec), sources.data[task].heldout, task, index, expert, merged,
-                                    corrections, tokenizer, layer, config.evaluation, router)
-        _release(expert)
-    return {"overall": overall(results), "tasks": results}
+        side = evaluator.expert_side(index, expert)
+        del expert
+        gc.collect()
+        sides.append((side, evaluator.merged_side(merged, side)))
+    return evaluator.evaluate(merged, corrections, sides, router=router)
 
 
 def write_report(path: Path, report: dict[str, object]) -> Path:
@@ -253,9 +138,13 @@ class RunState:
 
 
 def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
-    """sources → merge; with a session, the config goes on its parent run and the merge gets its own run."""
+    """sources → merge; the run folder gets the validated config (RUN_DIR/config.yaml), so it is a complete
+    record that `darts-dist serve RUN_DIR` can serve. With a session, the config goes on its parent run and
+    the merge gets its own run."""
     sources = resolve_sources(config)
     merged_dir = merge_stage(config, sources)
+    with atomic_file(config.run_dir / RUN_CONFIG_FILE) as tmp:
+        tmp.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     report: dict[str, object] = {
         "config": config.model_dump(mode="json"),
         "run_dir": str(config.run_dir),
@@ -287,12 +176,8 @@ def run_calibration(state: RunState) -> Path:
             resolve_device(config.calibration.device))
         run_id = tracking.start_stage("calibration", system_tags(config, device, executor=executor))
         on_step = tracking.step_logger(run_id)
-    if executor == "ray":
-        from darts_dist.distributed import calibrate_distributed  # it imports this module
-
-        outcome = calibrate_distributed(config, state.sources, state.merged_dir, on_step=on_step)
-    else:
-        outcome = calibrate_stage(config, state.sources, state.merged_dir, on_step=on_step)
+    calibrate = calibrate_distributed if executor == "ray" else calibrate_in_process
+    outcome: CalibrationOutcome = calibrate(config, state.sources, state.merged_dir, on_step=on_step)
     losses = outcome.result.losses
     state.report["corrections"] = str(outcome.corrections_path)
     state.report["calibration"] = {
@@ -306,7 +191,7 @@ def run_calibration(state: RunState) -> Path:
         **({"job": outcome.job} if outcome.job is not None else {}),
     }
     # The task router (routed serving) learns from the same calibration prompts.
-    state.report["router"] = fit_run_router(config, state.sources, state.merged_dir,
+    state.report["router"] = fit_run_router(config, state.sources.data, state.merged_dir,
                                             headline_layer(config.calibration.layers))
     plots = {
         "loss": plot_loss(losses, config.run_dir / "plots" / "loss.png"),
@@ -337,6 +222,14 @@ def track_calibration(tracking: Tracking, run_id: str, config: RunConfig, report
                     summary)
 
 
+def _track_evaluation(tracking: Tracking, run_id: str, evaluation: dict, plot: Path) -> None:
+    """The evaluation on its stage's run; its headline figures (eval.overall.*) on the command's own run too,
+    so MLflow's runs table can sort and compare the commands themselves."""
+    log_evaluation(tracking, run_id, evaluation, {"bias_by_position": plot})
+    tracking.log_metrics(tracking.run_id, {key: value for key, value in evaluation_metrics(evaluation).items()
+                                           if key.startswith("eval.overall.")})
+
+
 def complete_tracking(tracking: Tracking, report: dict) -> None:
     """Log what a run could not while its MLflow store was down, from its report: the per-step losses
     the store missed, the calibration's results and the evaluation; then mark its runs finished."""
@@ -348,8 +241,7 @@ def complete_tracking(tracking: Tracking, report: dict) -> None:
                                  if step not in logged])
     track_calibration(tracking, run_id, config, report)
     if "variants" in report:
-        log_evaluation(tracking, run_id, report["variants"]["darts"],
-                       {"bias_by_position": Path(report["plots"]["bias_by_position"])})
+        _track_evaluation(tracking, run_id, report["variants"]["darts"], Path(report["plots"]["bias_by_position"]))
     report["tracking"].pop("offline", None)
     tracking.log_json(tracking.run_id, report, "report.json")
     for run in [*tracking.stages.values(), tracking.run_id]:
@@ -364,7 +256,8 @@ def has_heldout(state: RunState) -> bool:
 def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, object]:
     """evaluate on the held-out sets; adds `variants.darts` and the bias plot to the report.
 
-    Tracked, the results go to this session's calibration run, or to an evaluation run of their own.
+    Tracked, the results go to this session's calibration run, or to an evaluation run of their own,
+    and the overall ones to the command's run as well.
     """
     # Routed scores come from the router the calibration fit next to its corrections, where there is one.
     router = state.config.run_dir / ROUTER_FILE
@@ -378,7 +271,7 @@ def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, objec
         run_id = tracking.stages.get("calibration")
         if run_id is None:
             run_id = tracking.start_stage("evaluation", {CORRECTIONS_TAG: corrections})
-        log_evaluation(tracking, run_id, evaluation, {"bias_by_position": plot})
+        _track_evaluation(tracking, run_id, evaluation, plot)
     return evaluation
 
 

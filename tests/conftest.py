@@ -19,7 +19,7 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_TEST_CACHE}/mlflow.db"
 
 import pytest  # noqa: E402
 
-from darts_dist.tiny import TinyFamily, build_tiny_tokenizer, make_tiny_family  # noqa: E402
+from darts_dist.sources.demo.tiny import TinyFamily, build_tiny_tokenizer, make_tiny_family  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:

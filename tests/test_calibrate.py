@@ -5,18 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from darts_dist.calibrate import (
-    build_corrections,
-    calibrate_in_process,
-    calibration_loss,
-    collect_features,
-    features_only,
-)
+from darts_dist.calibrate.features import collect_features, features_only
+from darts_dist.calibrate.loop import build_corrections, calibrate_in_process, calibration_loss
 from darts_dist.config import CalibrationSection
 from darts_dist.core import attach_corrections, capture_hidden, entropy_weights, next_token_entropy
-from darts_dist.data import tokenize_rows
-from darts_dist.models import load_causal_lm
-from darts_dist.sources import demo_data
+from darts_dist.sources.data import tokenize_rows
+from darts_dist.sources.models import load_causal_lm
+from darts_dist.sources.references import demo_data
 
 TASKS = ("code", "math")
 
@@ -30,8 +25,8 @@ def models(tiny_family):
 
 @pytest.fixture(scope="module")
 def calibration_sets():
-    from darts_dist.data import load_rows
-    from darts_dist.tiny import build_tiny_tokenizer
+    from darts_dist.sources.data import load_rows
+    from darts_dist.sources.demo.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     files = demo_data()

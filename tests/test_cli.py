@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mlflow import MlflowClient
+
 from darts_dist.cli import main
 from darts_dist.core import read_header
+from darts_dist.serve.model import resolve_model
 
 SUBCOMMANDS = ("demo", "merge", "calibrate", "evaluate", "validate")
 
@@ -57,6 +60,29 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
     for plot in report["plots"].values():
         assert Path(plot).read_bytes().startswith(b"\x89PNG")
     assert str(report_path) in result.stdout  # says where it wrote
+    # The run folder is complete without its report (written elsewhere here): it serves as it is.
+    source, run_config = resolve_model(str(run_dir))
+    assert (source.files.merged_dir, source.files.corrections, source.files.router) == (
+        run_dir / "merged", run_dir / "corrections.safetensors", run_dir / "router.safetensors")
+    assert run_config.name == "tiny"
+    # The command's own MLflow run carries the headline numbers, so runs can be sorted and compared by them.
+    metrics = MlflowClient(report["tracking"]["uri"]).get_run(report["tracking"]["run_id"]).data.metrics
+    assert metrics["eval.overall.bias_reduction"] == pytest.approx(darts["overall"]["bias_reduction"])
+    assert metrics["eval.overall.nll_corrected"] == pytest.approx(darts["overall"]["nll_corrected"])
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--steps", "0"], "--steps (calibration.steps): Input should be greater than 0"),
+    (["--steps", "many"], "--steps (calibration.steps): Input should be a valid integer"),
+    (["--score-limit", "-3"], "--score-limit (evaluation.score_limit): Input should be greater than or equal to 0"),
+    (["--score-limit", "some"], "--score-limit (evaluation.score_limit): Input should be a valid integer"),
+])
+def test_a_bad_flag_is_refused_like_a_bad_key(flags: list[str], expected: str, tmp_path: Path, capsys) -> None:
+    """Flags are config updates validated by the config's own models: error, fix, exit 2, before any work."""
+    code = main(["demo", "--tiny", "--in-process", "--output-dir", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err and "fix:" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture

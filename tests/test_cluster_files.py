@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from darts_dist.config import load_config, parse_config
-from darts_dist.placement import custom_resources, job_bundles, unplaced
+from darts_dist.calibrate.ray.placement import custom_resources, job_bundles
 
 REPO = Path(__file__).absolute().parent.parent
 JOB_COMMANDS = ("merge", "calibrate", "evaluate", "register", "serve-deploy")
@@ -20,6 +20,19 @@ JOB_COMMANDS = ("merge", "calibrate", "evaluate", "register", "serve-deploy")
 
 def load_all(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def unplaced(bundles: list[dict[str, float]], nodes: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The bundles that find no room when each goes, most demanding first, to the first node with room left:
+    a static check of a cluster file's largest shape (a job asks Ray itself, with placement groups)."""
+    free, left = [dict(node) for node in nodes], []
+    for bundle in sorted(bundles, key=lambda b: sorted(b.values(), reverse=True), reverse=True):
+        node = next((n for n in free if all(n.get(k, 0) >= v for k, v in bundle.items())), None)
+        if node is None:
+            left.append(bundle)
+        else:
+            node.update({k: node.get(k, 0) - v for k, v in bundle.items()})
+    return left
 
 
 def resources_of(start_params: dict) -> dict[str, float]:
@@ -82,7 +95,7 @@ def test_kuberay_cluster_and_job_fit_the_config_they_carry() -> None:
     # Every image is the one cluster/Dockerfile builds, at this version.
     images = {c["image"] for spec in (head, *(g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]))
               for c in spec["containers"]}
-    assert images == {"ghcr.io/darts-dist/darts-dist:0.1.0-gpu"}
+    assert images == {"ghcr.io/darts-dist/darts-dist:0.2.0-gpu"}
     assert "FROM rayproject/ray:2.60.0" in (REPO / "cluster" / "Dockerfile").read_text()
 
 

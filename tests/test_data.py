@@ -11,15 +11,12 @@ import datasets
 import pytest
 import torch
 
-from darts_dist.data import TokenizedSet, detect_format, load_rows, prompts_of, tokenize_rows
-from darts_dist.demo_tasks import (
-    DEMO_TASKS,
-    check_instruct_answer,
-    extract_math_answer,
-    make_demo_data,
-)
+from darts_dist.core import TokenizedSet
 from darts_dist.errors import DartsError
-from darts_dist.tiny import build_tiny_tokenizer
+from darts_dist.evaluate.task_scores import check_instruct_answer, extract_math_answer
+from darts_dist.sources.data import detect_format, load_rows, prompts_of, tokenize_rows
+from darts_dist.sources.demo.tasks import DEMO_TASKS, make_demo_data
+from darts_dist.sources.demo.tiny import build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

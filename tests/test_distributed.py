@@ -6,6 +6,8 @@ process start-up on 2 cores, so every test makes the most of its runs.
 
 from __future__ import annotations
 
+import logging
+
 import threading
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import torch
 
 from darts_dist.config import parse_config
 from darts_dist.core import load_corrections, save_corrections
-from darts_dist.distributed import (
+from darts_dist.calibrate.ray.job import (
     FAIL_EXPERT_AFTER,
     FAIL_WORKER_AT_STEP,
     JobResult,
@@ -24,9 +26,11 @@ from darts_dist.distributed import (
     run_calibration_job,
 )
 from darts_dist.errors import DartsError
-from darts_dist.pipeline import calibrate_stage, corrections_metadata, evaluate_stage
-from darts_dist.sources import demo_data, resolve_sources
-from darts_dist.stream import arrivals
+from darts_dist.calibrate.corrections import corrections_metadata
+from darts_dist.calibrate.in_process import calibrate_in_process as calibrate_stage
+from darts_dist.pipeline import evaluate_stage
+from darts_dist.sources.references import demo_data, resolve_sources
+from darts_dist.calibrate.ray.stream import arrivals
 
 TASKS = ("code", "math")
 ALL_TASKS = ("code", "math", "instruct")
@@ -116,12 +120,13 @@ def test_one_worker_zero0_equals_the_in_process_loop(undisturbed) -> None:
         torch.testing.assert_close(ray_outcome.entropy_weights[task], reference.entropy_weights[task])
 
 
-def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(undisturbed, tiny_family, capsys) -> None:
+def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(undisturbed, tiny_family, caplog) -> None:
     config, first, _ = undisturbed
     before = checkpoints(config)
-    again = calibrate_distributed(config, resolve_sources(config), tiny_family.base)
+    with caplog.at_level(logging.INFO, logger="darts_dist"):
+        again = calibrate_distributed(config, resolve_sources(config), tiny_family.base)
     assert checkpoints(config) == before  # no step was trained again
-    assert "this run had finished" in capsys.readouterr().out
+    assert "this run had finished" in caplog.text
     for ours, theirs in zip(again.result.corrections.parameters(), first.result.corrections.parameters()):
         assert torch.equal(ours, theirs)
     assert again.result.losses == first.result.losses

@@ -1,4 +1,4 @@
-"""Held-out evaluation: every number equals a direct computation on a small batch."""
+"""Held-out evaluation (the evaluator every caller shares): every number equals a direct computation on a small set."""
 
 from __future__ import annotations
 
@@ -8,25 +8,40 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from darts_dist.config import parse_config
 from darts_dist.core import CorrectionSpec, DartsCorrections, capture_hidden
-from darts_dist.data import load_rows, tokenize_rows
-from darts_dist.evaluate import evaluate_task, evaluation_rows, overall
-from darts_dist.models import load_causal_lm
-from darts_dist.sources import demo_data
-from darts_dist.tiny import build_tiny_tokenizer
+from darts_dist.evaluate.evaluator import Evaluator
+from darts_dist.evaluate.tables import evaluation_rows, overall
+from darts_dist.sources.data import TaskFiles, tokenized
+from darts_dist.sources.demo.tiny import build_tiny_tokenizer
+from darts_dist.sources.models import load_causal_lm
+from darts_dist.sources.references import demo_data
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_family):
+def setup(tiny_family, tmp_path_factory):
     merged = load_causal_lm(tiny_family.base)
     expert = load_causal_lm(tiny_family.experts["math"])
-    data = tokenize_rows(load_rows(demo_data()["math"]["heldout"]), build_tiny_tokenizer(), "math", 140, 6)
+    heldout = tmp_path_factory.mktemp("heldout") / "math.jsonl"  # six held-out rows
+    heldout.write_text("".join(demo_data()["math"]["heldout"].read_text().splitlines(keepends=True)[:6]))
+    config = parse_config({
+        "sources": {"base": str(tiny_family.base), "experts": [
+            {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": str(heldout),
+                                                                      "heldout": str(heldout)}}
+            for t in ("code", "math")]},
+        "calibration": {"max_length": 140, "batch_size": 4},
+    })
+    files = TaskFiles(calibration=heldout, heldout=heldout)
+    evaluator = Evaluator(config, {"code": files, "math": files}, build_tiny_tokenizer(), progress=False)
+    data = tokenized(files, "math", "heldout", config.calibration, build_tiny_tokenizer())
     torch.manual_seed(1)
     corrections = DartsCorrections(CorrectionSpec(("code", "math"), 64, rank=4, max_positions=8), ["final"])
     with torch.no_grad():
         for p in corrections.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    return merged, expert, data, corrections
+    side = evaluator.expert_side(1, expert)
+    pairs = [(side, evaluator.merged_side(merged, side))]
+    return merged, evaluator, pairs, data, corrections
 
 
 def _nll(logits, ids, mask, response):
@@ -36,9 +51,10 @@ def _nll(logits, ids, mask, response):
     return float(loss[counted].mean())
 
 
-def test_numbers_equal_a_direct_computation(setup) -> None:
-    merged, expert, data, corrections = setup
-    result = evaluate_task("math", 1, data, expert, merged, corrections, "final", batch_size=4, progress=False)
+def test_numbers_equal_a_direct_computation(setup, tiny_family) -> None:
+    merged, evaluator, pairs, data, corrections = setup
+    expert = load_causal_lm(tiny_family.experts["math"])
+    result = evaluator.evaluate(merged, corrections, pairs)["tasks"]["math"]
 
     ids, mask = data.input_ids, data.attention_mask
     real = mask.bool()
@@ -84,10 +100,11 @@ def test_numbers_equal_a_direct_computation(setup) -> None:
     assert result["late_bias_reduction"] is not None  # 140 tokens reach the late buckets
 
 
-def test_without_corrections_only_the_merged_side_is_reported(setup) -> None:
-    merged, expert, data, _ = setup
-    result = evaluate_task("math", 1, data, expert, merged, None, "final", batch_size=4, progress=False)
-    assert "bias_after" not in result and result["bias_before"] > 0
+def test_without_corrections_the_corrected_model_is_the_merged_one(setup) -> None:
+    merged, evaluator, pairs, _, _ = setup
+    result = evaluator.evaluate(merged, None, pairs)["tasks"]["math"]
+    assert result["bias_before"] > 0 and result["bias_after"] == result["bias_before"]
+    assert result["nll_corrected"] == result["nll_merged"] and result["nll_gap_closed"] in (0.0, None)
 
 
 def test_overall_is_the_mean_over_tasks_and_rows_format() -> None:

@@ -10,20 +10,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from darts_dist import experts as experts_module
+from darts_dist.core import mask_positions
+from darts_dist.sources.demo import experts as experts_module
 from darts_dist.errors import DartsError
-from darts_dist.experts import (
+from darts_dist.sources.demo.experts import (
     IGNORE_INDEX,
     ExpertTraining,
     batch_targets,
     expert_report,
     frozen_bottom_features,
     make_experts,
-    positions,
     resolved_precision,
     run_top,
 )
-from darts_dist.models import load_causal_lm
+from darts_dist.sources.models import load_causal_lm
 
 # Big steps on few samples, so a 4-layer random model visibly learns in well under a second.
 SETTINGS = ExpertTraining(top_layers=2, steps=12, batch_size=4, max_length=96, learning_rate=1e-2, num_samples=16)
@@ -78,7 +78,7 @@ def test_bottom_then_top_equals_the_full_forward(tiny_family, top_layers):
         full = model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
-            position_ids=positions(batch["attention_mask"]),
+            position_ids=mask_positions(batch["attention_mask"]),
         ).logits
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(split[real], full[real], rtol=1e-5, atol=1e-5)

@@ -19,7 +19,7 @@ from darts_dist.merge import (
     mergekit_model_paths,
     run_merge,
 )
-from darts_dist.tiny import make_tiny_family
+from darts_dist.sources.demo.tiny import make_tiny_family
 
 WEIGHTS = {"code": 0.5, "math": 0.3, "instruct": 0.8}
 TOP = "model.layers.3.mlp.down_proj.weight"  # perturbed in every expert

@@ -1,5 +1,5 @@
-"""Placement: which resources a job's actors ask for, whether a cluster can hold them, and a bounded
-wait that fails with a clear message on a real (local) Ray cluster that lacks them."""
+"""Placement: which resources a job's actors ask for, and a bounded wait on a real (local) Ray cluster that
+fails with a clear message when Ray cannot place them, STRICT_SPREAD included."""
 
 from __future__ import annotations
 
@@ -8,16 +8,15 @@ import time
 import pytest
 import ray
 
-from darts_dist.config import ClusterSection
-from darts_dist.errors import DartsError
-from darts_dist.placement import (
+from darts_dist.calibrate.ray.placement import (
     custom_resources,
     expert_actor_options,
     job_bundles,
     placement_tags,
-    unplaced,
     wait_for_resources,
 )
+from darts_dist.config import ClusterSection
+from darts_dist.errors import DartsError
 
 
 def test_bundles_follow_the_config() -> None:
@@ -34,19 +33,6 @@ def test_bundles_follow_the_config() -> None:
                                             "scheduling_strategy": "SPREAD"}
 
 
-def test_unplaced_bundles_are_the_ones_no_node_can_hold() -> None:
-    experts = [{"CPU": 1, "GPU": 1, "expert_node": 1}] * 3
-    workers = [{"CPU": 4, "GPU": 1}] * 2
-    gpu_node = {"CPU": 16, "GPU": 4, "expert_node": 4}
-    assert unplaced(experts + workers, [{"CPU": 8}, gpu_node, gpu_node]) == []
-    # One GPU node: 5 GPUs wanted, 4 there.
-    assert len(unplaced(experts + workers, [{"CPU": 8}, gpu_node])) == 1
-    # The label is missing everywhere: every expert is left over, the workers still fit.
-    assert unplaced(experts + workers, [{"CPU": 16, "GPU": 8}]) == experts
-    # Totals over nodes are not enough: a bundle must fit on one node.
-    assert unplaced([{"CPU": 6}], [{"CPU": 4}, {"CPU": 4}]) == [{"CPU": 6}]
-
-
 def test_placement_tags_name_each_node_by_address_id_and_labels() -> None:
     placement = {"experts": {"code": ["aaaaaaaaaaaa"]}, "workers": ["bbbbbbbbbbbb"],
                  "nodes": {"aaaaaaaaaaaa": {"address": "10.0.0.2", "resources": {"CPU": 4, "expert_node": 3}},
@@ -58,19 +44,29 @@ def test_placement_tags_name_each_node_by_address_id_and_labels() -> None:
 
 
 @pytest.fixture
-def small_cluster():
+def one_node():
     ray.init(num_cpus=4, resources={"expert_node": 1}, include_dashboard=False)
     yield
     ray.shutdown()
 
 
-def test_waiting_for_missing_resources_is_bounded_and_says_what_is_missing(small_cluster) -> None:
+def test_waiting_for_missing_resources_is_bounded_and_says_what_is_missing(one_node) -> None:
     wait_for_resources(ClusterSection(expert_resources={"expert_node": 0.25}), num_experts=3)  # fits: returns
+    assert ray.util.placement_group_table() == {} or all(
+        group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())  # nothing kept reserved
     started = time.monotonic()
     with pytest.raises(DartsError) as error:
-        wait_for_resources(ClusterSection(expert_resources={"gpu_node": 1}, resource_wait_s=1.0), num_experts=3,
-                           poll_s=0.2)
+        wait_for_resources(ClusterSection(expert_resources={"gpu_node": 1}, resource_wait_s=1.0), num_experts=3)
     assert 1.0 <= time.monotonic() - started < 10
-    assert "no room for 3 of the job's 4 actors after waiting 1 s" in error.value.what
-    assert "gpu_node" in error.value.what and "CPU=4, expert_node=1" in error.value.what
+    assert "no room for the job's expert actors after waiting 1 s" in error.value.what
+    assert "3 × (CPU=1, gpu_node=1)" in error.value.what and "CPU=4, expert_node=1" in error.value.what
     assert "ray start --resources" in error.value.fix
+
+
+def test_strict_spread_needs_a_node_per_worker(one_node) -> None:
+    """Two workers that would fit one node's CPUs, but STRICT_SPREAD asks for two nodes: Ray says no."""
+    wait_for_resources(ClusterSection(num_workers=2, placement_strategy="PACK"), num_experts=1)
+    with pytest.raises(DartsError, match="training workers") as error:
+        wait_for_resources(ClusterSection(num_workers=2, placement_strategy="STRICT_SPREAD", resource_wait_s=1.0),
+                           num_experts=1)
+    assert "(STRICT_SPREAD)" in error.value.what and "expert actors" not in error.value.what

@@ -14,10 +14,11 @@ from darts_dist.cli import main
 from darts_dist.config import TrackingSection, load_config
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
-from darts_dist.registry import fetch_model
-from darts_dist.router import ROUTED, TaskRouter, fit_router, fit_run_router
-from darts_dist.sources import resolve_sources
-from darts_dist.tracking import connect, tracking_uri
+from darts_dist.tracking.registry import fetch_model
+from darts_dist.calibrate.router import fit_router, fit_run_router
+from darts_dist.core import ROUTED, TaskRouter
+from darts_dist.sources.references import resolve_sources
+from darts_dist.tracking.runs import connect, tracking_uri
 
 
 def blobs(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +41,7 @@ def test_fit_separates_clear_clusters_and_routes_with_a_confidence() -> None:
     # Halfway between two clusters nothing is sure: with a threshold above the top probability, no task.
     between = ((held_out[:1] + held_out[20:21]) / 2)
     assert router.route(between, threshold=0.99).task.tolist() == [-1]
-    # The same data gives the same router: full-batch L-BFGS from zero has nothing random in it.
+    # The same data gives the same router: full-batch L-BFGS has nothing random in it.
     again = fit_router(features, labels, ("code", "math", "instruct"), "final")
     assert torch.equal(again.weight, router.weight) and torch.equal(again.bias, router.bias)
 
@@ -109,7 +110,7 @@ def write_run(tiny_family, folder: Path) -> Path:
 def test_the_run_router_separates_synthetic_tasks_on_held_out_prompts(tiny_family, tmp_path: Path) -> None:
     config = load_config(write_run(tiny_family, tmp_path))
     # The tiny base stands in for the merged model: the router only needs the model's hidden states.
-    report = fit_run_router(config, resolve_sources(config), tiny_family.base, "final")
+    report = fit_run_router(config, resolve_sources(config).data, tiny_family.base, "final")
     assert report["train_accuracy"] == 1.0
     assert report["accuracy"] == 1.0 and report["per_task"] == {"code": 1.0, "math": 1.0}
     assert 0.0 <= report["below_threshold"] <= 1.0

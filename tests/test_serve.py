@@ -30,11 +30,13 @@ from darts_dist.config import parse_config
 from darts_dist.core import save_corrections
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
-from darts_dist.pipeline import corrections_metadata
-from darts_dist.registry import DECISIVE_METRIC, log_pyfunc_model, register_version
-from darts_dist.router import ROUTED, fit_router, prompt_features
-from darts_dist.served import resolve_model, serve_settings
-from darts_dist.tracking import connect, environment, experiment_id
+from darts_dist.calibrate.corrections import corrections_metadata
+from darts_dist.tracking.registry import DECISIVE_METRIC, log_pyfunc_model, register_version
+from darts_dist.calibrate.features import prompt_features
+from darts_dist.calibrate.router import fit_router
+from darts_dist.core import ROUTED
+from darts_dist.serve.model import resolve_model, serve_settings
+from darts_dist.tracking.runs import connect, environment, experiment_id
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import serve_load  # noqa: E402  (benchmarks/ is no package; its run_load needs no model set-up)
@@ -300,17 +302,19 @@ def test_serve_settings_layer_the_run_config_a_yaml_and_flags(tmp_path: Path) ->
 
 def test_a_run_folder_or_model_folder_resolves_to_its_files(server, tmp_path: Path) -> None:
     registry = server.registry
-    config = parse_config({"name": "local", "sources": {"base": "b", "experts": [{"task": t, "path": "e"} for t in TASKS]}})
+    config = parse_config({"name": "local", "sources": {"base": "/b", "experts": [{"task": t, "path": "/e"}
+                                                                                   for t in TASKS]},
+                           "serve": {"port": 8123}})
+    # A run folder as the pipeline writes it: merged/, the corrections, the router and the run's config.
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    shutil.copytree(registry.merged_dir, run_dir / "merged")
+    shutil.copy(registry.corrections, run_dir / "corrections.safetensors")
     shutil.copy(registry.router, run_dir / "router.safetensors")
-    (run_dir / "calibration.json").write_text(json.dumps({
-        "config": config.model_dump(mode="json"), "merged": str(registry.merged_dir),
-        "corrections": str(registry.corrections)}))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
     source, run_config = resolve_model(str(run_dir))
-    assert (source.name, run_config) == ("darts-dist-local", config)
+    assert (source.name, run_config.name, run_config.serve.port) == ("darts-dist-local", "local", 8123)
     assert (source.files.merged_dir, source.files.corrections, source.files.router) == (
-        registry.merged_dir, registry.corrections, run_dir / "router.safetensors")
+        run_dir / "merged", run_dir / "corrections.safetensors", run_dir / "router.safetensors")
     source, run_config = resolve_model(str(registry.merged_dir), corrections=registry.corrections, name="mine")
     assert (source.name, source.files.corrections, source.files.router, run_config) == (
         "mine", registry.corrections, None, None)

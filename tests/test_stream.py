@@ -9,17 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from darts_dist.data import load_rows, tokenize_rows
-from darts_dist.feature_store import FeatureStore
-from darts_dist.features import expert_targets
-from darts_dist.models import load_causal_lm
-from darts_dist.sources import demo_data
-from darts_dist.stream import ExpertStream, from_wire, pad_rows, source_rows, target_column, to_wire
+from darts_dist.sources.data import load_rows, tokenize_rows
+from darts_dist.calibrate.ray.feature_store import FeatureStore
+from darts_dist.calibrate.features import expert_targets
+from darts_dist.sources.models import load_causal_lm
+from darts_dist.sources.references import demo_data
+from darts_dist.calibrate.ray.stream import ExpertStream, from_wire, source_rows, target_column, to_wire
+from darts_dist.core import pad_rows
 
 
 @pytest.fixture(scope="module")
 def code_set():
-    from darts_dist.tiny import build_tiny_tokenizer
+    from darts_dist.sources.demo.tiny import build_tiny_tokenizer
 
     return tokenize_rows(load_rows(demo_data()["code"]["calibration"]), build_tiny_tokenizer(), "code",
                          max_length=24, max_samples=7)
@@ -32,7 +33,7 @@ def test_source_rows_are_the_samples_cut_to_their_length(code_set) -> None:
     assert [len(row["input_ids"]) for row in rows] == lengths
     for name in ("input_ids", "attention_mask", "response_mask"):
         padded = pad_rows([row[name] for row in rows])
-        assert torch.equal(torch.from_numpy(padded), getattr(code_set, name)[:, : max(lengths)])
+        assert torch.equal(padded, getattr(code_set, name)[:, : max(lengths)])
 
 
 def _column(values: list) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Task scores: the checks on known strings, the HumanEval sandbox, and score_task against a direct computation."""
+"""Task scores: the checks on known strings, the HumanEval sandbox, and the evaluator's scores against a direct
+computation."""
 
 from __future__ import annotations
 
@@ -11,24 +12,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from darts_dist.config import EvaluationSection, ExpertSpec
-from darts_dist.core import CorrectionSpec, DartsCorrections, attach_corrections
+from darts_dist.config import DataSpec, EvaluationSection, parse_config
+from darts_dist.core import CorrectionSpec, DartsCorrections, TaskRouter, attach_corrections
 from darts_dist.errors import DartsError
-from darts_dist.generation import CorrectedLM
-from darts_dist.models import load_causal_lm
-from darts_dist.router import TaskRouter
-from darts_dist.sources import demo_data
-from darts_dist.task_scores import (
+from darts_dist.evaluate.evaluator import Evaluator
+from darts_dist.evaluate.sandbox import run_sandboxed
+from darts_dist.evaluate.task_scores import (
     SCORERS,
     Problem,
+    Scorer,
     answered_problems,
     humaneval_problems,
     humaneval_program,
-    run_sandboxed,
-    score_task,
-    scorer_for,
 )
-from darts_dist.tiny import build_tiny_tokenizer
+from darts_dist.generation import CorrectedLM
+from darts_dist.sources.data import TaskFiles
+from darts_dist.sources.demo.tiny import build_tiny_tokenizer
+from darts_dist.sources.models import load_causal_lm
+from darts_dist.sources.references import demo_data, scorer_name
 
 
 def test_math_and_instruct_checks_on_known_strings() -> None:
@@ -65,15 +66,15 @@ def test_sandbox_passes_a_solution_fails_a_wrong_one_and_stops_a_loop() -> None:
 
 
 def test_scorer_follows_the_config_and_defaults_for_demo_tasks() -> None:
-    def expert(task: str, heldout: str, **data: str) -> ExpertSpec:
-        return ExpertSpec(task=task, path="x", data={"calibration": heldout, "heldout": heldout, **data})
+    def data(heldout: str, **more: str) -> DataSpec:
+        return DataSpec(calibration=heldout, heldout=heldout, **more)
 
-    assert scorer_for(expert("code", "demo:code")).name == "humaneval"
-    assert scorer_for(expert("math", "demo:math")).name == "math_exact"
-    assert scorer_for(expert("anything", "demo:instruct")).name == "instruct_exact"  # follows the data
-    assert scorer_for(expert("math", "mine.jsonl")) is None
-    assert scorer_for(expert("math", "demo:math", scorer="none")) is None
-    assert scorer_for(expert("q", "mine.jsonl", scorer="math_exact")).name == "math_exact"
+    assert scorer_name(data("demo:code")) == "humaneval"
+    assert scorer_name(data("demo:math")) == "math_exact"
+    assert scorer_name(data("demo:instruct")) == "instruct_exact"  # follows the data, whatever the task's name
+    assert scorer_name(data("mine.jsonl")) == "none"
+    assert scorer_name(data("demo:math", scorer="none")) == "none"
+    assert scorer_name(data("mine.jsonl", scorer="math_exact")) == "math_exact"
 
 
 def test_answered_problems_need_an_answer_column(tmp_path: Path) -> None:
@@ -106,7 +107,29 @@ def models(tiny_family):
     return expert, merged, corrections, token
 
 
-def test_generated_scores_equal_a_direct_computation(models) -> None:
+def evaluated(
+    tiny_family, monkeypatch, scorer: Scorer, task: str, expert, merged, corrections, settings: EvaluationSection,
+    router: TaskRouter | None = None,
+) -> dict[str, object]:
+    """One task's results from the evaluator, as the pipeline and the ablation get them, with `scorer` as its
+    registered scorer (held-out bias and NLL on the demo's instruct rows, which every task here reads)."""
+    monkeypatch.setitem(SCORERS, scorer.name, scorer)
+    heldout = str(demo_data()["instruct"]["heldout"])
+    tasks = tuple(corrections.spec.tasks)
+    config = parse_config({
+        "sources": {"base": str(tiny_family.base), "experts": [
+            {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": heldout, "heldout": heldout}}
+            for t in tasks]},
+        "evaluation": settings.model_dump(),
+    })
+    files = {t: TaskFiles(calibration=Path(heldout), heldout=Path(heldout), scorer=scorer.name) for t in tasks}
+    evaluator = Evaluator(config, files, build_tiny_tokenizer(), progress=False)
+    side = evaluator.expert_side(tasks.index(task), expert)
+    pairs = [(side, evaluator.merged_side(merged, side))]
+    return evaluator.evaluate(merged, corrections, pairs, router=router)["tasks"][task]
+
+
+def test_generated_scores_equal_a_direct_computation(models, tiny_family, monkeypatch) -> None:
     """Exact-reply scores of expert, merged and corrected, against answers made from known greedy outputs."""
     expert, merged, corrections, token = models
     tokenizer = build_tiny_tokenizer()
@@ -123,7 +146,7 @@ def test_generated_scores_equal_a_direct_computation(models) -> None:
     # Answers: the corrected model's own replies for the first four, something it did not say for the rest.
     known = [replace(p, answer=text if i < 4 else text + " nope") for i, (p, text) in enumerate(zip(problems, corrected))]
     scorer = replace(SCORERS["instruct_exact"], problems=lambda heldout, limit: known)
-    result = score_task(scorer, None, "instruct", 1, expert, merged, corrections, tokenizer, "final", settings)
+    result = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections, settings)
 
     def share(texts):
         return sum(t.strip() == p.answer.strip() for t, p in zip(texts, known)) / len(known)
@@ -140,23 +163,24 @@ def test_generated_scores_equal_a_direct_computation(models) -> None:
         return TaskRouter(("code", "instruct"), "final", torch.zeros(d), torch.ones(d), torch.zeros(2, d),
                           torch.tensor([50.0, -50.0]) if index == 0 else torch.tensor([-50.0, 50.0]))
 
-    routed = score_task(scorer, None, "instruct", 1, expert, merged, corrections, tokenizer, "final", settings,
-                        constant_router(1))
+    routed = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections, settings,
+                       constant_router(1))
     assert routed["score_routed"] == routed["score_corrected"] == pytest.approx(4 / 6)
-    misrouted = score_task(scorer, None, "instruct", 1, expert, merged, corrections, tokenizer, "final", settings,
-                           constant_router(0))
+    misrouted = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections, settings,
+                          constant_router(0))
     assert misrouted["score_routed"] == 0.0  # code's correction does not say the instruct answers
-    assert score_task(scorer, None, "instruct", 1, expert, merged, corrections, tokenizer, "final",
-                      EvaluationSection(score_limit=0)) == {}
+    unscored = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections,
+                         EvaluationSection(score_limit=0))
+    assert "score_name" not in unscored and unscored["bias_after"] > 0  # a limit of 0: bias and NLL, no scores
 
 
-def test_humaneval_solution_nll_equals_a_direct_computation(models) -> None:
+def test_humaneval_solution_nll_equals_a_direct_computation(models, tiny_family, monkeypatch) -> None:
     expert, merged, corrections, _ = models
     tokenizer = build_tiny_tokenizer()
     problems = humaneval_problems(2)
     scorer = replace(SCORERS["humaneval"], problems=lambda heldout, limit: problems)
     settings = EvaluationSection(score_limit=2, max_new_tokens=4)
-    result = score_task(scorer, None, "code", 0, expert, merged, corrections, tokenizer, "final", settings)
+    result = evaluated(tiny_family, monkeypatch, scorer, "code", expert, merged, corrections, settings)
     assert result["score_name"] == "humaneval" and result["score_metric"] == "pass@1" and result["score_n"] == 2
     assert {result["score_expert"], result["score_merged"], result["score_corrected"]} <= {0.0, 0.5, 1.0}
 

@@ -17,8 +17,8 @@ from mlflow import MlflowClient
 from darts_dist.cli import main
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
-from darts_dist.registry import DECISION_TAG, DECISIVE_METRIC, MODEL_URI_TAG, VERSION_TAG, register_version
-from darts_dist.tracking import connect, experiment_id, tracking_uri
+from darts_dist.tracking.registry import DECISION_TAG, DECISIVE_METRIC, MODEL_URI_TAG, VERSION_TAG, register_version
+from darts_dist.tracking.runs import connect, experiment_id, tracking_uri
 from mlflow_server import free_port, mlflow_server
 
 MODEL = "tiny-darts"
@@ -140,18 +140,59 @@ def test_a_calibration_logs_params_metrics_and_artifacts(tracked, tmp_path: Path
     assert tags[VERSION_TAG] == f"{MODEL}/1" and tags[DECISION_TAG] == tracking["decision"]
 
 
-def test_the_champion_loads_in_a_fresh_process_and_generates_like_darts_dist(tracked, tmp_path: Path) -> None:
-    script = (
-        "import json, sys, mlflow, pandas as pd\n"
-        f"model = mlflow.pyfunc.load_model('models:/{MODEL}@champion')\n"
-        f"out = model.predict(pd.DataFrame({{'prompt': [{PROMPT!r}], 'task': [{TASK!r}]}}),\n"
-        "                     params={'max_new_tokens': 10})\n"
-        "print(json.dumps(out.to_dict(orient='records')))\n"
-    )
+# Run in a fresh process where darts-dist is not installed: the editable install's finder and the checkout
+# leave the import system, so only the code the model carries can answer `import darts_dist`. Afterwards,
+# every distribution the process imported must be a logged requirement or one of theirs.
+ISOLATED_LOAD = """
+import importlib, importlib.util, json, re, sys
+from importlib import metadata
+sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path = [p for p in sys.path if "__editable__" not in p and not p.startswith({repo!r})]
+sys.path_importer_cache.clear(); importlib.invalidate_caches()
+assert importlib.util.find_spec("darts_dist") is None, "darts_dist is still importable"
+import mlflow, pandas as pd
+model = mlflow.pyfunc.load_model({uri!r})
+out = model.predict(pd.DataFrame({{"prompt": [{prompt!r}], "task": [{task!r}]}}), params={{"max_new_tokens": 10}})
+import darts_dist
+
+def name(dist):
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+def requires(dist):
+    return [re.match(r"[A-Za-z0-9._-]+", r)[0] for r in metadata.requires(dist) or [] if "extra ==" not in r]
+
+logged = [line.split("==")[0] for line in open(mlflow.pyfunc.get_model_dependencies({uri!r})).read().split()
+          if "==" in line]
+closure, todo = set(), list(logged)
+while todo:
+    dist = name(todo.pop())
+    if dist not in closure:
+        closure.add(dist)
+        try:
+            todo += requires(dist)
+        except metadata.PackageNotFoundError:
+            pass
+owners = metadata.packages_distributions()
+imported = {{name(d) for m in list(sys.modules) for d in owners.get(m.partition(".")[0], [])}}
+print(json.dumps({{"records": out.to_dict(orient="records"), "code": darts_dist.__file__,
+                  "logged": logged, "unlisted": sorted(imported - closure)}}))
+"""
+
+
+def test_the_champion_loads_without_darts_dist_installed_and_generates_like_darts_dist(
+    tracked, tmp_path: Path
+) -> None:
+    repo = str(Path(__file__).absolute().parent.parent)
+    script = ISOLATED_LOAD.format(repo=repo, uri=f"models:/{MODEL}@champion", prompt=PROMPT, task=TASK)
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                             env={**os.environ, "MLFLOW_TRACKING_URI": tracked.uri}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    [served] = json.loads(result.stdout.strip().splitlines()[-1])
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not loaded["code"].startswith(repo) and "/code/darts_dist/" in loaded["code"]  # the model's own copy
+    assert "darts-dist" not in {name.lower() for name in loaded["logged"]}  # no package index serves it
+    assert all("+" not in line for line in loaded["logged"])  # no local build labels (torch's +cpu)
+    assert loaded["unlisted"] == [], "imported but neither logged nor required by what is logged"
+    [served] = loaded["records"]
     lm = CorrectedLM.load(tracked.run_dir / "merged", tracked.run_dir / "corrections.safetensors")
     [own] = lm.generate([PROMPT], [TASK], max_new_tokens=10)
     assert served == {"text": own.text, "finish_reason": own.finish_reason,

@@ -14,8 +14,8 @@ from mlflow import MlflowClient
 
 from darts_dist.cli import main
 from darts_dist.core import load_corrections
-from darts_dist.registry import VERSION_TAG
-from darts_dist.tracking import STAGE_TAG
+from darts_dist.tracking.registry import VERSION_TAG
+from darts_dist.tracking.runs import STAGE_TAG
 from mlflow_server import free_port, mlflow_server, stop
 
 MODEL = "outage-darts"

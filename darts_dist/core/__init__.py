@@ -1,9 +1,11 @@
-"""The DARTS math in plain torch: correction, loss, hooks into a causal LM, metrics, file format."""
+"""The DARTS math in plain torch: correction, loss, hooks into a causal LM, metrics, batching, router, file format."""
 
+from darts_dist.core.batching import TokenizedSet, mask_positions, pad_rows, token_batch
 from darts_dist.core.correction import (
     Correction,
     CorrectionSpec,
     DartsCorrections,
+    LayerKey,
     expected_parameter_count,
     one_hot_tasks,
     parse_layer,
@@ -24,27 +26,38 @@ from darts_dist.core.metrics import (
     token_bias,
     token_nll,
 )
+from darts_dist.core.router import ROUTED, ROUTER_FILE, Routing, TaskRouter, pool_prompts
 
 __all__ = [
     "BUCKET_LABELS",
     "FORMAT_VERSION",
     "POSITION_BUCKETS",
+    "ROUTED",
+    "ROUTER_FILE",
     "BucketMeans",
     "Correction",
     "CorrectionHandle",
     "CorrectionSpec",
     "DartsCorrections",
+    "LayerKey",
+    "Routing",
+    "TaskRouter",
+    "TokenizedSet",
     "attach_corrections",
     "capture_hidden",
     "entropy_weights",
     "expected_parameter_count",
     "load_corrections",
+    "mask_positions",
     "next_token_entropy",
     "one_hot_tasks",
+    "pad_rows",
     "parse_layer",
+    "pool_prompts",
     "read_header",
     "save_corrections",
     "surgery_module",
+    "token_batch",
     "token_bias",
     "token_nll",
     "token_positions",

@@ -84,7 +84,10 @@ class CorrectionSpec:
         return cls(**d)
 
 
-def parse_layer(layer: str | int) -> str | int:
+LayerKey = str | int  # a surgery layer: "final" or a decoder layer index
+
+
+def parse_layer(layer: LayerKey) -> LayerKey:
     """A surgery layer key: "final" (the final norm's output) or a decoder layer index i ≥ 0 (also as "i")."""
     if isinstance(layer, str) and layer.isdigit():
         return int(layer)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from darts_dist.core.batching import mask_positions
 from darts_dist.core.correction import DartsCorrections, one_hot_tasks, parse_layer
 
 # Where Llama-style (layers, norm), GPT-2-style (h, ln_f) and OPT-style decoders keep their parts.
@@ -65,7 +66,7 @@ def token_positions(
     """Each token's position t in its own sequence, [B, S] long, counted as position_ids are.
 
     position_ids if given; else from a 2D attention mask over past + current tokens
-    (t = cumsum(mask) − 1, padding -> 0, so left padding does not shift t); else past_len + arange(S).
+    (`mask_positions`); else past_len + arange(S).
     """
     if position_ids is not None:
         pos = position_ids if position_ids.ndim == 2 else position_ids.reshape(1, -1)
@@ -77,9 +78,7 @@ def token_positions(
                 f"attention_mask covers {attention_mask.shape[1]} tokens but the input has {seq_len}; "
                 "pass the mask over past and current tokens"
             )
-        mask = attention_mask.to(device, torch.long)
-        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        return pos[:, -seq_len:].expand(batch_size, seq_len)
+        return mask_positions(attention_mask.to(device))[:, -seq_len:].expand(batch_size, seq_len)
     return torch.arange(past_len, past_len + seq_len, device=device).expand(batch_size, seq_len)
 
 

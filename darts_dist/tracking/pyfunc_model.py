@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import mlflow
 import pandas as pd
 from mlflow.pyfunc import PythonModel, PythonModelContext
 
+import mlflow
 from darts_dist.generation import CorrectedLM
-from darts_dist.registry import CORRECTIONS_ARTIFACT, MERGED_ARTIFACT, PARAM_DEFAULTS, ROUTER_ARTIFACT
+from darts_dist.tracking.registry import CORRECTIONS_ARTIFACT, MERGED_ARTIFACT, PARAM_DEFAULTS, ROUTER_ARTIFACT
 
 
 def _task(value: object) -> str | None:

@@ -27,10 +27,11 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
-from darts_dist.data import load_rows, tokenize_rows
+from darts_dist.core import mask_positions
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
-from darts_dist.models import content_hash, load_causal_lm, load_tokenizer
+from darts_dist.sources.data import load_rows, tokenize_rows
+from darts_dist.sources.models import content_hash, load_causal_lm, load_tokenizer
 
 IGNORE_INDEX = -100
 # Bump when the training code changes what an expert is, so cached experts are rebuilt.
@@ -79,11 +80,6 @@ class TopInputs:
     targets: torch.Tensor  # [B, L]: the next token where the loss counts, IGNORE_INDEX elsewhere
 
 
-def positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids counted from each row's first real token (DESIGN.md §1), whatever the padding side."""
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
 def batch_targets(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Targets for the logits at each position: token t+1 if the loss counts it, else IGNORE_INDEX.
 
@@ -122,7 +118,7 @@ def frozen_bottom_features(
     features = []
     for batch in batches:
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        position_ids = positions(attention_mask)
+        position_ids = mask_positions(attention_mask)
         hidden = decoder.embed_tokens(input_ids)
         causal_mask = create_causal_mask(
             config=model.config,
@@ -165,7 +161,7 @@ def run_top(model: PreTrainedModel, inputs: TopInputs) -> torch.Tensor:
     return model.model.norm(hidden)
 
 
-def token_nll(model: PreTrainedModel, final_hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+def summed_target_nll(model: PreTrainedModel, final_hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL over the positions with a target, and how many there are.
 
     Only those positions go through the lm_head: with a 49152-token vocabulary it costs
@@ -199,7 +195,7 @@ def train_top(
         # A fresh autocast region per step: autocast caches its bf16 copies of the weights
         # until the region ends, so one region around the loop would never see an update.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            nll, count = token_nll(model, run_top(model, inputs), inputs.targets)
+            nll, count = summed_target_nll(model, run_top(model, inputs), inputs.targets)
         loss = nll / max(count, 1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -340,9 +336,9 @@ def heldout_nll(model: PreTrainedModel, batches: Iterable[Mapping[str, torch.Ten
     for batch in batches:
         attention_mask = batch["attention_mask"]
         final_hidden = model.model(
-            input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=positions(attention_mask)
+            input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=mask_positions(attention_mask)
         ).last_hidden_state
-        nll, n = token_nll(model, final_hidden, batch_targets(batch))
+        nll, n = summed_target_nll(model, final_hidden, batch_targets(batch))
         total, count = total + nll.item(), count + n
     return total / count if count else math.nan
 

@@ -17,15 +17,18 @@ import ast
 import codecs
 import tempfile
 import textwrap
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import datasets
-import torch
+from datasets.exceptions import DatasetGenerationError
 
+from darts_dist.config import CalibrationSection
+from darts_dist.core import TokenizedSet
 from darts_dist.errors import DartsError
+from darts_dist.sources.models import pad_id
 
 Format = Literal["text", "chat", "prompt_response"]
 _FORMATS = ("text", "chat", "prompt_response")
@@ -35,53 +38,39 @@ _USABLE = "`text`, `messages`, or `prompt` with `response`/`completion`"
 
 
 @dataclass(frozen=True)
-class TokenizedSet:
-    """One task's tokenised samples, right-padded to the longest row.
+class TaskFiles:
+    """One task's data files, resolved to local paths, and how its held-out answers are checked
+    (a name of evaluate.task_scores.SCORERS, or "none")."""
 
-    `num_truncated` is derived from the per-row `truncated` flags so that `subset` keeps it right.
-    """
+    calibration: Path
+    heldout: Path | None
+    scorer: str = "none"
+    text_field: str | None = None
+    format: str = "auto"
 
-    task: str
-    input_ids: torch.LongTensor  # [N, L], right-padded with the pad token
-    attention_mask: torch.LongTensor  # [N, L], 1 on real tokens
-    response_mask: torch.BoolTensor  # [N, L], True on response tokens (all real tokens for plain text)
-    has_boundary: bool  # whether the data marked a prompt/response boundary
-    truncated: torch.BoolTensor  # [N], True where the sample was cut to max_length
 
-    @property
-    def num_truncated(self) -> int:
-        return int(self.truncated.sum())
+def split_rows(
+    files: TaskFiles, split: Literal["calibration", "validation", "heldout"], settings: CalibrationSection
+) -> datasets.Dataset:
+    """A task's rows of one split: held-out; or validation, the rows held back from calibration for tuning;
+    or calibration, the first `num_samples` of the rest."""
+    if split == "heldout":
+        if files.heldout is None:
+            raise DartsError("this task has no held-out data", "set its data.heldout")
+        return load_rows(files.heldout, text_field=files.text_field)
+    rows = calibration_split(load_rows(files.calibration, text_field=files.text_field),
+                             settings.validation_fraction, split)
+    return rows.select(range(min(settings.num_samples, len(rows)))) if split == "calibration" else rows
 
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
 
-    def batches(self, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
-        """Consecutive batches in order, each trimmed to its own longest row."""
-        if batch_size < 1:
-            raise DartsError(f"batch_size must be at least 1, got {batch_size}")
-        for start in range(0, len(self), batch_size):
-            rows = slice(start, start + batch_size)
-            length = int(self.attention_mask[rows].sum(dim=1).max())
-            yield {
-                "input_ids": self.input_ids[rows, :length],
-                "attention_mask": self.attention_mask[rows, :length],
-                "response_mask": self.response_mask[rows, :length],
-            }
-
-    def subset(self, indices: Sequence[int] | torch.Tensor) -> TokenizedSet:
-        """The rows at `indices`, in that order, trimmed to their longest row."""
-        index = torch.as_tensor(indices, dtype=torch.long)
-        if index.numel() == 0:
-            raise DartsError(f"an empty subset of the {self.task!r} set was asked for", "pass at least one index")
-        length = int(self.attention_mask[index].sum(dim=1).max())
-        return TokenizedSet(
-            task=self.task,
-            input_ids=self.input_ids[index, :length],
-            attention_mask=self.attention_mask[index, :length],
-            response_mask=self.response_mask[index, :length],
-            has_boundary=self.has_boundary,
-            truncated=self.truncated[index],
-        )
+def tokenized(
+    files: TaskFiles, task: str, split: Literal["calibration", "validation", "heldout"],
+    settings: CalibrationSection, tokenizer,
+) -> TokenizedSet:
+    """A task's calibration, validation or held-out set, tokenised with the base's tokenizer and cut to
+    `max_length`: what calibration trains on and evaluation measures."""
+    return tokenize_rows(split_rows(files, split, settings), tokenizer, task, max_length=settings.max_length,
+                         fmt=files.format, text_field=files.text_field)
 
 
 def load_rows(
@@ -124,7 +113,8 @@ def load_rows(
             ds = datasets.load_dataset(
                 loader, data_files=str(path), split="train", keep_in_memory=True, cache_dir=cache_dir, **options
             )
-        except Exception as err:  # datasets wraps the parser's error; show the innermost one
+        # datasets wraps the parser's error (pyarrow's are ValueErrors); show the innermost one.
+        except (DatasetGenerationError, ValueError, OSError) as err:
             cause = err
             while cause.__cause__ is not None:
                 cause = cause.__cause__
@@ -229,23 +219,8 @@ def tokenize_rows(
             f"{label}: none of its {len(ds)} rows gave 2 or more tokens",
             fix="check that the rows hold text in the field the format reads",
         )
-    length = max(len(ids) for ids, _, _ in kept)
-    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
-    input_ids = torch.full((len(kept), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(kept), length), dtype=torch.long)
-    response_mask = torch.zeros((len(kept), length), dtype=torch.bool)
-    for row, (ids, mask, _) in enumerate(kept):
-        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, : len(ids)] = 1
-        response_mask[row, : len(ids)] = torch.tensor(mask, dtype=torch.bool)
-    return TokenizedSet(
-        task=task,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        response_mask=response_mask,
-        has_boundary=fmt != "text",
-        truncated=torch.tensor([cut for _, _, cut in kept], dtype=torch.bool),
-    )
+    return TokenizedSet.from_rows(task, [(ids, mask) for ids, mask, _ in kept], pad_id(tokenizer),
+                                  has_boundary=fmt != "text", truncated=[cut for _, _, cut in kept])
 
 
 def prompts_of(ds: datasets.Dataset, tokenizer, fmt: str = "auto", text_field: str | None = None) -> list[str]:

@@ -2,8 +2,7 @@
 
 `calibrate_distributed` is the calibrate stage on a Ray cluster: one started for the job on this
 machine, or an existing one (`--address`, `cluster.address` or RAY_ADDRESS). `run_calibration_job`
-is the job itself, on plain values. This module shares `pipeline`'s tokenisation and corrections
-metadata, so `pipeline` may import it only inside a function.
+is the job itself, on plain values.
 
 Fault injection, for tests and drills on a real cluster; never on unless set:
   DARTS_DIST_FAIL_WORKER_AT_STEP=N   rank 0 raises in step N of a run that did not start from a checkpoint
@@ -15,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
@@ -29,21 +29,11 @@ import torch
 from ray.data import ExecutionOptions, ExecutionResources
 from ray.train.torch import TorchTrainer
 
-from darts_dist.calibrate import CalibrationResult, TaskFeatures, batch_positions
-from darts_dist.calibration_worker import (
-    CORRECTIONS_FILE,
-    FAIL_WORKER_AT_STEP,
-    PROGRESS_FILE,
-    train_loop_per_worker,
-)
-from darts_dist.config import CalibrationSection, ClusterSection, RunConfig
-from darts_dist.core import DartsCorrections, load_corrections, save_corrections
-from darts_dist.data import TokenizedSet
-from darts_dist.errors import DartsError
-from darts_dist.models import content_hash, load_tokenizer
-from darts_dist.pipeline import CalibrationOutcome, corrections_metadata, token_weights, tokenized
-from darts_dist.sources import ResolvedSources
-from darts_dist.placement import (
+from darts_dist.calibrate.corrections import save_corrections_for
+from darts_dist.calibrate.features import TaskFeatures
+from darts_dist.calibrate.in_process import CalibrationOutcome, calibration_sets, token_weights
+from darts_dist.calibrate.loop import CalibrationResult, StepCallback
+from darts_dist.calibrate.ray.placement import (
     custom_resources,
     job_bundles,
     node_table,
@@ -51,9 +41,20 @@ from darts_dist.placement import (
     wait_for_resources,
     worker_bundle,
 )
-from darts_dist.stream import ExactlyOnceSplit, expert_stream
-from darts_dist.tracking import StepLogger
+from darts_dist.calibrate.ray.stream import ExactlyOnceSplit, expert_stream
+from darts_dist.calibrate.ray.worker import (
+    CHECKPOINT_CORRECTIONS,
+    FAIL_WORKER_AT_STEP,
+    PROGRESS_FILE,
+    train_loop_per_worker,
+)
+from darts_dist.config import CORRECTIONS_FILE, CalibrationSection, ClusterSection, RunConfig
+from darts_dist.core import DartsCorrections, TokenizedSet, load_corrections, mask_positions
+from darts_dist.errors import DartsError
+from darts_dist.sources.models import content_hash, load_tokenizer
+from darts_dist.sources.references import ResolvedSources
 
+logger = logging.getLogger(__name__)
 FAIL_EXPERT_AFTER = "DARTS_DIST_FAIL_EXPERT_AFTER"
 
 
@@ -69,7 +70,7 @@ class JobPlan:
     run_id: str
     storage_path: str
     address: str | None = None
-    on_step: StepLogger | None = None  # per-step metrics to MLflow, sent by rank 0
+    on_step: StepCallback | None = None  # per-step metrics to MLflow, sent by rank 0
 
 
 @dataclass
@@ -191,7 +192,7 @@ def _user_error(error: ray.train.TrainingFailedError) -> DartsError | None:
 def _read_checkpoint(checkpoint: ray.train.Checkpoint) -> tuple[DartsCorrections, dict, dict, dict]:
     with checkpoint.as_directory() as folder:
         folder = Path(folder)
-        corrections, _ = load_corrections(folder / CORRECTIONS_FILE)
+        corrections, _ = load_corrections(folder / CHECKPOINT_CORRECTIONS)
         progress = json.loads((folder / PROGRESS_FILE).read_text())
         rows: dict[int, dict[str, list[int]]] = {}
         entropy: dict[str, dict[int, np.ndarray]] = {}
@@ -303,14 +304,10 @@ def job_plan(
     sources: ResolvedSources,
     merged_dir: Path,
     address: str | None = None,
-    on_step: StepLogger | None = None,
+    on_step: StepCallback | None = None,
 ) -> JobPlan:
     """The job for a validated config: calibration sets tokenised as the in-process stage does."""
-    tokenizer = load_tokenizer(sources.base)
-    data = {task: tokenized(config, sources, task, "calibration", tokenizer) for task in config.tasks}
-    for task, rows in data.items():
-        if rows.num_truncated:
-            print(f"calibrate: {rows.num_truncated} {task} samples cut to max_length={config.calibration.max_length}")
+    data = calibration_sets(config, sources, load_tokenizer(sources.base))
     cluster = config.cluster
     return JobPlan(
         data=data,
@@ -331,7 +328,7 @@ def entropy_features(task: str, index: int, data: TokenizedSet, entropy: Mapping
     for row, h in entropy.items():
         values[row, : len(h)] = h
     return TaskFeatures(task=task, task_index=index, input_ids=data.input_ids, attention_mask=data.attention_mask,
-                        response_mask=data.response_mask, positions=batch_positions(data.attention_mask),
+                        response_mask=data.response_mask, positions=mask_positions(data.attention_mask),
                         entropy=torch.from_numpy(values), targets={})
 
 
@@ -351,20 +348,19 @@ def calibrate_distributed(
     sources: ResolvedSources,
     merged_dir: Path,
     address: str | None = None,
-    on_step: StepLogger | None = None,
+    on_step: StepCallback | None = None,
 ) -> CalibrationOutcome:
     """The calibrate stage as a Ray job; saves RUN_DIR/corrections.safetensors like the in-process stage."""
     plan = job_plan(config, sources, merged_dir, address, on_step)
     cluster = config.cluster
-    print(f"calibrate: Ray run {plan.run_id} ({cluster.num_workers} worker(s), ZeRO-{cluster.zero_stage}), "
-          f"checkpoints in {plan.storage_path}")
+    logger.info("calibrate: Ray run %s (%d worker(s), ZeRO-%d), checkpoints in %s", plan.run_id,
+                cluster.num_workers, cluster.zero_stage, plan.storage_path)
     job = run_calibration_job(plan)
-    print(f"calibrate: {summary(job)}")
+    logger.info("calibrate: %s", summary(job))
     tags = placement_tags(job.placement)
-    print("calibrate: placement: " + "; ".join(f"{key.removeprefix('darts.placement.')} on {node}"
-                                                for key, node in tags.items()))
-    path = save_corrections(config.run_dir / "corrections.safetensors", job.corrections,
-                            metadata=corrections_metadata(merged_dir))
+    logger.info("calibrate: placement: %s", "; ".join(f"{key.removeprefix('darts.placement.')} on {node}"
+                                                      for key, node in tags.items()))
+    path = save_corrections_for(config.run_dir / CORRECTIONS_FILE, job.corrections, merged_dir)
     weights = {
         task: token_weights(entropy_features(task, index, plan.data[task], job.entropy[task]), config.calibration)
         for index, task in enumerate(plan.data)

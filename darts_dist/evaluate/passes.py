@@ -1,28 +1,33 @@
-"""Held-out evaluation: representation bias by position and NLL, merged vs. corrected vs. expert."""
+"""The forward passes of evaluation and their tallies: representation bias by position and NLL, merged vs.
+corrected vs. expert, on one batch at a time.
+
+The expert's side of a batch (`reference`) is computed once and compared with any number of merged
+models and corrections (`merged_outputs`, `corrected_outputs`); `TaskTally` sums a task's results.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from darts_dist.calibrate.features import features_only
 from darts_dist.core import (
     BucketMeans,
     DartsCorrections,
+    LayerKey,
     attach_corrections,
     capture_hidden,
     entropy_weights,
+    mask_positions,
     next_token_entropy,
     token_bias,
     token_nll,
 )
-from darts_dist.calibrate import LayerKey, batch_positions, features_only
-from darts_dist.data import TokenizedSet
 
 LATE_POSITION = 64
 
@@ -95,7 +100,7 @@ def reference(expert: PreTrainedModel, batch: Mapping[str, torch.Tensor], layer:
     return Reference(
         input_ids=ids,
         attention_mask=mask,
-        positions=batch_positions(mask),
+        positions=mask_positions(mask),
         hidden=hidden[layer].float(),
         weights=entropy_weights(next_token_entropy(logits), mask, 1.0),
         nll=nll,
@@ -190,65 +195,3 @@ class TaskTally:
                 "nll_gap_closed": _gap_closed(nll["merged"].mean, nll["corrected"].mean, nll["expert"].mean),
             })
         return result
-
-
-def evaluate_task(
-    task: str,
-    task_index: int,
-    data: TokenizedSet,
-    expert: PreTrainedModel,
-    merged: PreTrainedModel,
-    corrections: DartsCorrections | None,
-    layer: LayerKey,
-    batch_size: int,
-    progress: bool = True,
-) -> dict[str, object]:
-    """Bias |h^m_t − h^k_t| at `layer` before and after correction, by position bucket, and NLLs.
-
-    Bias counts every real token; NLL counts the predicted response tokens where the data
-    marks a prompt/response boundary (chat), every token otherwise. The weighted form
-    weights each token by the expert's entropy weight with β = 1, so it shows whether the
-    correction removes bias where the expert is uncertain.
-    """
-    tally = TaskTally()
-    for batch in tqdm(list(data.batches(batch_size)), desc=f"evaluate {task}", unit="batch", disable=not progress):
-        ref = reference(expert, batch, layer)
-        plain = merged_outputs(merged, ref, layer)
-        fixed = None if corrections is None else corrected_outputs(merged, ref, plain, corrections, task_index, layer)
-        tally.add(ref, plain, fixed)
-    return tally.result(task, layer)
-
-
-SCORE_KEYS = ("score_expert", "score_merged", "score_corrected", "score_routed")
-OVERALL_KEYS = (
-    "bias_before", "bias_after", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction",
-    "nll_expert", "nll_merged", "nll_corrected", "nll_gap_closed", *SCORE_KEYS,
-)
-
-
-def overall(tasks: Mapping[str, Mapping[str, object]]) -> dict[str, float | None]:
-    """Unweighted mean over tasks, so every task counts the same whatever its length (scores: over scored tasks)."""
-    summary: dict[str, float | None] = {}
-    for key in OVERALL_KEYS:
-        values = [t[key] for t in tasks.values() if t.get(key) is not None]
-        summary[key] = sum(values) / len(values) if values else None
-    return summary
-
-
-def format_value(key: str, value: object) -> str:
-    """A result for people: shares as percentages, counts and names as they are, missing ones as "-"."""
-    if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
-        return "-" if value is None else str(value)
-    if not math.isfinite(float(value)):
-        return "-"
-    if key.endswith(("reduction", "closed")) or key in SCORE_KEYS:
-        return f"{100 * float(value):.1f}%"
-    return f"{float(value):.4f}"
-
-
-def evaluation_rows(tasks: Mapping[str, Mapping[str, object]], columns: Sequence[str]) -> list[list[str]]:
-    """Table rows (one per task, then the overall mean) with numbers formatted for people."""
-    rows = [[name] + [format_value(c, result.get(c)) for c in columns] for name, result in tasks.items()]
-    mean = overall(tasks)
-    rows.append(["overall"] + [format_value(c, mean.get(c)) for c in columns])
-    return rows

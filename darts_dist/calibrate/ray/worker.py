@@ -25,26 +25,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from darts_dist.calibrate import (
-    TaskFeatures,
-    batch_positions,
-    build_corrections,
-    calibration_loss,
-    features_only,
-    step_minibatches,
-)
+from darts_dist.calibrate.features import TaskFeatures, features_only, merged_hidden
+from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
+from darts_dist.calibrate.ray.feature_store import FeatureStore
+from darts_dist.calibrate.ray.stream import TOKEN_FIELDS, arrivals, from_wire, target_column
 from darts_dist.config import CalibrationSection
-from darts_dist.core import DartsCorrections, attach_corrections, save_corrections
+from darts_dist.core import DartsCorrections, attach_corrections, mask_positions, pad_rows, save_corrections
 from darts_dist.errors import DartsError
-from darts_dist.feature_store import FeatureStore
-from darts_dist.features import merged_hidden, model_dtype
-from darts_dist.models import load_causal_lm
-from darts_dist.stream import TOKEN_FIELDS, arrivals, from_wire, pad_rows, target_column
-from darts_dist.tracking import StepLogger
+from darts_dist.logs import show_progress_logs
+from darts_dist.sources.models import load_causal_lm, model_dtype
 
+logger = logging.getLogger(__name__)
 ENGINE_TAG = "engine"  # DeepSpeed's folder inside each checkpoint
 PROGRESS_FILE = "progress.json"  # step, losses, timings (rank 0)
-CORRECTIONS_FILE = "corrections.safetensors"  # the whole corrections, gathered (rank 0)
+CHECKPOINT_CORRECTIONS = "corrections.safetensors"  # the whole corrections, gathered (rank 0)
 FAIL_WORKER_AT_STEP = "DARTS_DIST_FAIL_WORKER_AT_STEP"  # read by the driver, which passes it on
 
 
@@ -146,7 +140,7 @@ class Progress:
         now = time.monotonic()
         if self.enabled and (force or now - self.last >= self.interval):
             self.last = now
-            print(f"calibrate: {message}", flush=True)
+            logger.info("calibrate: %s", message)
 
 
 def in_lockstep(items: Iterator, device: torch.device) -> Iterator:
@@ -189,7 +183,7 @@ def drain(
         task, batch = item
         merged = {}
         if with_merged:
-            ids, mask = (torch.from_numpy(pad_rows(batch[name])).to(device) for name in ("input_ids", "attention_mask"))
+            ids, mask = (pad_rows(batch[name]).to(device) for name in ("input_ids", "attention_mask"))
             merged = merged_hidden(module.merged, ids, mask, settings.layers)
         for i, row in enumerate(batch["row"]):
             length = len(batch["input_ids"][i])
@@ -217,7 +211,7 @@ def task_features(store: FeatureStore, task: str, index: int, settings: Calibrat
         input_ids=arrays["input_ids"],
         attention_mask=mask,
         response_mask=arrays["response_mask"],
-        positions=batch_positions(mask),
+        positions=mask_positions(mask),
         entropy=arrays["entropy"],
         targets={layer: arrays[target_column(layer)] for layer in settings.layers},
         merged={layer: arrays[merged_column(layer)] for layer in settings.layers if merged_column(layer) in arrays},
@@ -287,7 +281,7 @@ def save_checkpoint(
         engine.save_checkpoint(folder, tag=ENGINE_TAG, exclude_frozen_parameters=True)
         with deepspeed.zero.GatheredParameters(list(corrections.parameters())):
             if rank == 0:
-                save_corrections(Path(folder) / CORRECTIONS_FILE, corrections)
+                save_corrections(Path(folder) / CHECKPOINT_CORRECTIONS, corrections)
         if rank == 0:
             progress = {**progress, "step": state.step, "losses": state.losses, "resumed_from": state.resumed_from}
             (Path(folder) / PROGRESS_FILE).write_text(json.dumps(progress))
@@ -314,6 +308,7 @@ def train_loop_per_worker(config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     log = Progress(enabled=rank == 0)
     started = time.time()
+    show_progress_logs()  # this worker's own process: its lines reach the driver's console through Ray
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     checkpoint = ray.train.get_checkpoint()
     state = read_state(checkpoint)
@@ -362,7 +357,7 @@ def train_steps(
     generator = torch.Generator().manual_seed(settings.seed + rank)
     for _ in range(state.step):  # replay the schedule of the steps the checkpoint already holds
         step_minibatches(features, settings.batch_size, generator)
-    on_step: StepLogger | None = config["on_step"] if rank == 0 else None
+    on_step: StepCallback | None = config["on_step"] if rank == 0 else None
     rows_per_step = settings.batch_size * len(features) * dist.get_world_size()
     started = step_started = time.time()
     for step in range(state.step + 1, settings.steps + 1):

@@ -30,15 +30,17 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.config import AutoscalingConfig
 from ray.serve.deployment import Application
 
 from darts_dist.config import ServeSection
 from darts_dist.errors import DartsError
-from darts_dist.features import model_dtype
+from darts_dist.fanin import fan_in_async
 from darts_dist.generation import Completion, CorrectedLM
-from darts_dist.openai_api import (
+from darts_dist.serve.model import ModelSource, model_ids, resolve_model, serve_settings
+from darts_dist.serve.openai_api import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     DONE,
     ApiError,
@@ -51,7 +53,7 @@ from darts_dist.openai_api import (
     sse,
     usage_chunk,
 )
-from darts_dist.served import ModelSource, model_ids, resolve_model, serve_settings
+from darts_dist.sources.models import model_dtype
 
 logger = logging.getLogger(__name__)
 API_KEY_ENV = "DARTS_DIST_API_KEY"
@@ -133,35 +135,6 @@ def run_batch(lm: CorrectedLM, requests: Sequence[SequenceRequest], emit: Callab
             emit(events)
     finally:
         emit(None)
-
-
-async def _merged(streams: Sequence[AsyncIterator[Event]]) -> AsyncIterator[tuple[int, Event]]:
-    """Events of several sequences as they come, each with its sequence's index."""
-    queue: asyncio.Queue = asyncio.Queue()
-    end = object()
-
-    async def pump(index: int, stream: AsyncIterator[Event]) -> None:
-        try:
-            async for event in stream:
-                await queue.put((index, event))
-            await queue.put((index, end))
-        except Exception as error:  # noqa: BLE001 - handed to the reader, which reports it
-            await queue.put((index, error))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, event = await queue.get()
-            if event is end:
-                remaining -= 1
-            elif isinstance(event, Exception):
-                raise event
-            else:
-                yield index, event
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -303,7 +276,7 @@ class DartsServer:
             return StreamingResponse(self.stream(rid, body, requests, chat), media_type="text/event-stream")
         results: dict[int, Finished] = {}
         try:
-            async for index, event in _merged([self.generate_batch(r) for r in requests]):
+            async for index, event in fan_in_async({i: self.generate_batch(r) for i, r in enumerate(requests)}):
                 if isinstance(event, Failed):
                     raise event.error
                 if isinstance(event, Finished):
@@ -325,7 +298,7 @@ class DartsServer:
         if chat:
             yield sse(role_chunk(rid, self.created, body.model))
         try:
-            async for index, event in _merged([self.generate_batch(r) for r in requests]):
+            async for index, event in fan_in_async({i: self.generate_batch(r) for i, r in enumerate(requests)}):
                 if isinstance(event, Failed):
                     raise event.error
                 if isinstance(event, Finished):
@@ -372,7 +345,7 @@ def build_app(source: ModelSource, settings: ServeSection, api_key: str | None =
     if settings.autoscaling_config is not None:
         try:
             AutoscalingConfig(**settings.autoscaling_config)
-        except Exception as error:  # pydantic's and Ray's own validation errors
+        except (ValidationError, ValueError, TypeError) as error:  # pydantic's and Ray's own validation errors
             raise DartsError(f"serve.autoscaling_config is not valid for Ray Serve: {error}",
                              "see Ray Serve's AutoscalingConfig (min_replicas, max_replicas, ...)") from None
         options["autoscaling_config"] = settings.autoscaling_config

@@ -3,21 +3,32 @@ model ids it answers to, and the serving settings, all settled on the driver bef
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from darts_dist.config import RunConfig, ServeSection, TrackingSection, load_config, parse_config
+from darts_dist.config import (
+    CORRECTIONS_FILE,
+    MERGED_FOLDER,
+    RUN_CONFIG_FILE,
+    RunConfig,
+    ServeSection,
+    TrackingSection,
+    load_config,
+)
+from darts_dist.core import ROUTED, ROUTER_FILE
 from darts_dist.errors import DartsError
-from darts_dist.registry import ModelFiles, fetch_model, model_version, registered_model_name, version_config
-from darts_dist.router import ROUTED, ROUTER_FILE
-from darts_dist.tracking import TRACKING_URI_ENV, connect, environment, tracking_uri
+from darts_dist.tracking.registry import (
+    ModelFiles,
+    fetch_model,
+    model_version,
+    registered_model_name,
+    version_config,
+)
+from darts_dist.tracking.runs import TRACKING_URI_ENV, connect, environment, tracking_uri
 
 MERGED_ID = "merged"
-# Reports a run folder may hold (`calibrate` writes calibration.json, `demo` report.json).
-_REPORTS = ("report.json", "calibration.json")
 
 
 @dataclass(frozen=True)
@@ -44,20 +55,22 @@ def model_ids(name: str, tasks: Sequence[str], routed: bool) -> dict[str, str | 
     return ids
 
 
-def _report_files(folder: Path) -> tuple[ModelFiles, RunConfig]:
-    """A run folder's merged model, corrections and router, found through the report it wrote."""
-    for report_name in _REPORTS:
-        path = folder / report_name
-        if path.is_file():
-            report = json.loads(path.read_text())
-            break
-    else:
-        raise DartsError(f"{folder} is neither a model folder (config.json) nor a run folder ({' or '.join(_REPORTS)})",
-                         "pass models:/NAME@ALIAS, a run folder, or a merged model folder with --corrections")
-    config = parse_config(report["config"], origin=f"{path}'s config")
-    router = folder / ROUTER_FILE
-    files = ModelFiles(name=registered_model_name(config), merged_dir=Path(report["merged"]),
-                       corrections=Path(report["corrections"]) if report.get("corrections") else None,
+def _run_folder_files(folder: Path, name: str | None) -> tuple[ModelFiles, RunConfig | None]:
+    """A run folder's merged model, corrections and router, found by what the run wrote into it: `merged/` (or
+    the config's merge.output), corrections.safetensors, router.safetensors and the run's config.yaml."""
+    config_file = folder / RUN_CONFIG_FILE
+    config = load_config(config_file) if config_file.is_file() else None
+    merged = folder / MERGED_FOLDER
+    if not merged.is_dir() and config is not None and config.merge.output is not None:
+        merged = config.merge.output
+    corrections, router = folder / CORRECTIONS_FILE, folder / ROUTER_FILE
+    if not (merged / "config.json").is_file() or not corrections.is_file():
+        raise DartsError(f"{folder} is neither a model folder (config.json) nor a run folder (merged/ and "
+                         f"{CORRECTIONS_FILE})",
+                         "pass models:/NAME@ALIAS, the folder a `calibrate` or `demo` run wrote, or a merged model "
+                         "folder with --corrections")
+    default = registered_model_name(config) if config is not None else folder.name
+    files = ModelFiles(name=name or default, merged_dir=merged, corrections=corrections,
                        router=router if router.is_file() else None, config=config)
     return files, config
 
@@ -94,9 +107,9 @@ def resolve_model(
     if (folder / "config.json").is_file():
         files, config = ModelFiles(name or folder.name, folder, corrections, router, None), None
     else:
-        files, config = _report_files(folder)
-        files = ModelFiles(name or files.name, files.merged_dir, corrections or files.corrections,
-                           router or files.router, config)
+        files, config = _run_folder_files(folder, name)
+        files = ModelFiles(files.name, files.merged_dir, corrections or files.corrections, router or files.router,
+                           config)
     missing = [str(p) for p in (files.merged_dir, files.corrections, files.router) if p is not None and not p.exists()]
     if missing:
         raise DartsError(f"files of the model to serve are missing: {missing}", "check the paths, or calibrate again")

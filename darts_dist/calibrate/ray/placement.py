@@ -1,15 +1,15 @@
-"""Where a calibration job's actors run: their Ray resources, a bounded wait for nodes that have
-them, and a record of which node ran what.
+"""Where a calibration job's actors run: their Ray resources, a bounded wait (Ray's placement groups) for
+nodes that have them, and a record of which node ran what.
 
 Imports stay light (no torch): the stream's Ray Data actors import this module too.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from darts_dist.config import ClusterSection
 from darts_dist.errors import DartsError
@@ -54,48 +54,49 @@ def custom_resources(bundles: Sequence[Bundle]) -> dict[str, float]:
     return total
 
 
-def unplaced(bundles: Sequence[Bundle], nodes: Sequence[Mapping[str, float]]) -> list[Bundle]:
-    """The bundles that find no room on `nodes` (their total resources), the most demanding placed
-    first, each on the first node it fits.
-
-    Totals, not what is free now: the question is whether this cluster can ever run the job.
-    """
-    free = [dict(node) for node in nodes]
-    left = []
-    for bundle in sorted(bundles, key=lambda b: (sum(1 for v in b.values() if v), sum(b.values())), reverse=True):
-        node = next((n for n in free if all(n.get(k, 0.0) >= v for k, v in bundle.items() if v)), None)
-        if node is None:
-            left.append(bundle)
-            continue
-        for name, amount in bundle.items():
-            node[name] = node.get(name, 0.0) - amount
-    return left
-
-
 def alive_nodes() -> list[dict]:
     return [node for node in ray.nodes() if node["Alive"]]
 
 
-def wait_for_resources(cluster: ClusterSection, num_experts: int, poll_s: float = 2.0) -> None:
-    """Return once the cluster's nodes can hold every expert actor and training worker; after
-    `cluster.resource_wait_s` seconds without, fail naming what is missing (Ray would wait forever)."""
-    bundles = job_bundles(cluster, num_experts)
-    deadline = time.monotonic() + cluster.resource_wait_s
-    while True:
-        nodes = [node["Resources"] for node in alive_nodes()]
-        missing = unplaced(bundles, nodes)
-        if not missing:
-            return
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(poll_s)
-    have = "; ".join(_labels(n) for n in nodes) or "no nodes"
+def _reservable(bundle: Bundle) -> Bundle:
+    return {name: amount for name, amount in bundle.items() if amount}  # placement groups refuse zero amounts
+
+
+def wait_for_resources(cluster: ClusterSection, num_experts: int) -> None:
+    """Return once Ray can place every expert actor and training worker at the same time; after
+    `cluster.resource_wait_s` seconds without, fail naming what is missing (the job itself would wait forever).
+
+    Ray's own scheduler decides, with the job's own constraints: one placement group for the training
+    workers with `cluster.placement_strategy` (STRICT_SPREAD: a node each), one for the expert actors
+    (spread over the nodes when the config spreads), reserved together and released at once.
+    """
+    spread = cluster.placement_strategy in ("SPREAD", "STRICT_SPREAD")
+    groups = {
+        "expert actors": placement_group([_reservable(expert_bundle(cluster))] * num_experts,
+                                         strategy="SPREAD" if spread else "PACK"),
+        "training workers": placement_group([_reservable(worker_bundle(cluster))] * cluster.num_workers,
+                                            strategy=cluster.placement_strategy),
+    }
+    try:
+        signals = {name: group.ready() for name, group in groups.items()}
+        ready, _ = ray.wait(list(signals.values()), num_returns=len(signals), timeout=cluster.resource_wait_s)
+        placed = {name for name, signal in signals.items() if signal in ready}
+    finally:
+        for group in groups.values():
+            remove_placement_group(group)
+    missing = [name for name in groups if name not in placed]
+    if not missing:
+        return
+    wanted = {"expert actors": f"{num_experts} × ({_labels(expert_bundle(cluster))})",
+              "training workers": f"{cluster.num_workers} × ({_labels(worker_bundle(cluster))}) "
+                                  f"({cluster.placement_strategy})"}
+    have = "; ".join(_labels(node["Resources"]) for node in alive_nodes()) or "no nodes"
     raise DartsError(
-        f"the Ray cluster has no room for {len(missing)} of the job's {len(bundles)} actors after waiting "
-        f"{cluster.resource_wait_s:.0f} s: unplaced {[_brief(b) for b in missing]}; its nodes have: {have}",
+        f"the Ray cluster has no room for the job's {' and '.join(missing)} after waiting "
+        f"{cluster.resource_wait_s:g} s: wanted {'; '.join(wanted[name] for name in missing)}; its nodes have: {have}",
         "add nodes with those resources (`ray start --resources '{\"NAME\": N}'`, or the cluster YAML's "
-        "node types), or change cluster.expert_resources / worker_resources / num_workers / use_gpu; "
-        "cluster.resource_wait_s sets how long to wait for an autoscaler",
+        "node types), or change cluster.expert_resources / worker_resources / num_workers / use_gpu / "
+        "placement_strategy; cluster.resource_wait_s sets how long to wait for an autoscaler",
     )
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from queue import Queue
-from threading import Thread
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,12 +24,12 @@ import ray
 import ray.data
 import ray.train
 
+from darts_dist.calibrate.ray.placement import expert_actor_options
 from darts_dist.config import CalibrationSection, ClusterSection
-from darts_dist.placement import expert_actor_options
+from darts_dist.fanin import fan_in
 
 if TYPE_CHECKING:
-    from darts_dist.data import TokenizedSet
-    from darts_dist.features import LayerKey
+    from darts_dist.core import LayerKey, TokenizedSet
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "response_mask")
 Batch = dict[str, np.ndarray]  # a batch of rows as Ray Data hands it over: one array per column
@@ -53,16 +51,6 @@ def source_rows(data: TokenizedSet) -> list[dict[str, object]]:
         }
         for row, length in enumerate(lengths)
     ]
-
-
-def pad_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
-    """Right-pad per-sample arrays [L_i, ...] with zeros into one array [B, max L_i, ...]."""
-    length = max(len(row) for row in rows)
-    first = np.asarray(rows[0])
-    out = np.zeros((len(rows), length, *first.shape[1:]), dtype=first.dtype)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = row
-    return out
 
 
 def to_wire(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -104,8 +92,10 @@ class ExpertStream:
         fail_after_batches: int | None = None,
         yield_cpu: bool = False,
     ) -> None:
-        from darts_dist.features import model_dtype, resolve_device
-        from darts_dist.models import load_causal_lm
+        from darts_dist.logs import show_progress_logs
+        from darts_dist.sources.models import load_causal_lm, model_dtype, resolve_device
+
+        show_progress_logs()  # this actor's own process: its lines reach the driver's console through Ray
 
         # "auto" resolves inside the actor: one that Ray gave a GPU uses it, one without stays on the CPU.
         self.device = resolve_device(device)
@@ -125,14 +115,13 @@ class ExpertStream:
         self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
     def __call__(self, batch: Batch) -> Batch:
-        import torch
-
-        from darts_dist.features import expert_targets
+        from darts_dist.calibrate.features import expert_targets
+        from darts_dist.core import pad_rows
 
         self._maybe_fail()
         lengths = [len(ids) for ids in batch["input_ids"]]
-        ids = torch.from_numpy(pad_rows(batch["input_ids"])).to(self.device)
-        mask = torch.from_numpy(pad_rows(batch["attention_mask"])).to(self.device)
+        ids = pad_rows(batch["input_ids"]).to(self.device)
+        mask = pad_rows(batch["attention_mask"]).to(self.device)
         hidden, entropy = expert_targets(self.model, ids, mask, self.layers)
         rows = {name: batch[name] for name in ("task", "row", *TOKEN_FIELDS)}
         rows["node"] = np.full(len(lengths), self.node, dtype=object)
@@ -191,34 +180,11 @@ def arrivals(shards: Mapping[str, ray.data.DataIterator], batch_size: int) -> It
     expert's shard pulled at once from the moment this is called (so the experts start while the
     caller does other work).
 
-    One thread per shard: a shard's pipeline starts only when first pulled, so pulling them in turn
-    would start the experts one after the other, and the slowest would hold up the rest. The bounded
-    queue passes Ray Data's back-pressure on to the threads.
+    A thread per shard: a shard's pipeline starts only when first pulled, so pulling them in turn
+    would start the experts one after the other, and the slowest would hold up the rest.
     """
-    queue: Queue = Queue(maxsize=len(shards))
-
-    def pull(task: str, shard: ray.data.DataIterator) -> None:
-        try:
-            for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy"):
-                queue.put((task, batch))
-            queue.put((task, None))
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put((task, error))
-
-    for task, shard in shards.items():
-        Thread(target=pull, args=(task, shard), name=f"stream-{task}", daemon=True).start()
-    return _arrived(queue, running=len(shards))
-
-
-def _arrived(queue: Queue, running: int) -> Iterator[tuple[str, Batch]]:
-    while running:
-        task, batch = queue.get()
-        if batch is None:
-            running -= 1
-        elif isinstance(batch, BaseException):
-            raise batch
-        else:
-            yield task, batch
+    return fan_in({task: shard.iter_batches(batch_size=batch_size, batch_format="numpy")
+                   for task, shard in shards.items()})
 
 
 class ExactlyOnceSplit(ray.train.DataConfig):

@@ -15,7 +15,6 @@ import functools
 import json
 import operator
 import random
-import re
 import sys
 import sysconfig
 import textwrap
@@ -26,6 +25,8 @@ from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir
 
 DEMO_TASKS = ("code", "math", "instruct")
+# How each demo task's held-out answers are checked: a name in evaluate.task_scores.SCORERS.
+DEMO_SCORERS = {"code": "humaneval", "math": "math_exact", "instruct": "instruct_exact"}
 
 # Bump when a generator changes, so files written by an older version are not reused.
 _GENERATOR_VERSION = 1
@@ -93,27 +94,6 @@ def make_demo_data(
                 (tmp / _MARKER).write_text(json.dumps(settings, sort_keys=True) + "\n")
         paths[task] = files
     return paths
-
-
-def extract_math_answer(text: str) -> str | None:
-    """The number after the last `####`, else the last number in `text`; None when there is none.
-
-    Commas and a trailing `.0` are dropped so "1,200" and "1200.0" both read "1200".
-    """
-    tail = text.rsplit("####", 1)[1] if "####" in text else text
-    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", tail)
-    if not numbers:
-        return None
-    number = numbers[0] if "####" in text else numbers[-1]
-    number = number.replace(",", "")
-    if "." in number and float(number).is_integer():
-        number = str(int(float(number)))
-    return number
-
-
-def check_instruct_answer(prediction: str, answer: str) -> bool:
-    """Whether a model's reply to a demo instruction is exactly the expected answer (ends stripped)."""
-    return prediction.strip() == answer.strip()
 
 
 def _is_current(task_dir: Path, settings: dict, files) -> bool:

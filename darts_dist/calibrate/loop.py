@@ -1,20 +1,21 @@
-"""DARTS calibration: expert targets, merged features, and the in-process training loop.
+"""The DARTS training loop: the calibration loss of a minibatch, the step schedule, and the in-process reference.
 
-The pieces here (`calibration_loss`, `build_corrections`, `step_minibatches`, and `expert_targets`
-and `merged_hidden` from `features`) are what the distributed path reuses; `calibrate_in_process`
-is the single-process reference that the distributed path is tested against.
+`calibration_loss`, `build_corrections` and `step_minibatches` are what the Ray workers reuse;
+`calibrate_in_process` is the single-process reference that the distributed path is tested against.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from darts_dist.calibrate.features import TaskFeatures, features_only
 from darts_dist.config import CalibrationSection
 from darts_dist.core import (
     CorrectionSpec,
@@ -22,133 +23,17 @@ from darts_dist.core import (
     attach_corrections,
     entropy_weights,
     one_hot_tasks,
-    token_positions,
     weighted_l1_loss,
 )
-from darts_dist.data import TokenizedSet
-from darts_dist.features import (  # model_dtype and resolve_device: re-exported for the stages using them
-    LayerKey,
-    expert_targets,
-    merged_hidden,
-    model_dtype,  # noqa: F401
-    resolve_device,  # noqa: F401
-)
-
-# on_step(step, metrics): called after each optimizer step with its number (from 1), loss and rows/s.
-StepCallback = Callable[[int, Mapping[str, float]], None]
 
 
-@dataclass
-class TaskFeatures:
-    """Everything training needs about one task's calibration set, computed once.
+class StepCallback(Protocol):
+    """Hears each optimizer step: its number (from 1) and metrics (loss, rows/s); `flush` hands on what it
+    holds (tracking.runs.StepLogger sends them to MLflow in batches). It must pickle: Ray workers call it."""
 
-    `targets` are the expert's hidden states h^k at each surgery layer; `merged` holds the
-    merged model's h^m at the final representation when training can run on features alone
-    (surgery only at the final norm), so the merged model is not run again each step.
-    """
+    def __call__(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
-    task: str
-    task_index: int
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    response_mask: torch.Tensor
-    positions: torch.Tensor
-    entropy: torch.Tensor
-    targets: dict[LayerKey, torch.Tensor]
-    merged: dict[LayerKey, torch.Tensor] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def rows(self, index: torch.Tensor) -> dict[str, object]:
-        """A minibatch of rows, trimmed to its longest real sequence."""
-        mask = self.attention_mask[index]
-        length = int(mask.sum(dim=1).max())
-        cut = slice(0, length)
-        return {
-            "input_ids": self.input_ids[index][:, cut],
-            "attention_mask": mask[:, cut],
-            "response_mask": self.response_mask[index][:, cut],
-            "positions": self.positions[index][:, cut],
-            "entropy": self.entropy[index][:, cut],
-            "targets": {k: v[index][:, cut] for k, v in self.targets.items()},
-            "merged": {k: v[index][:, cut] for k, v in self.merged.items()},
-        }
-
-
-def features_only(layers: Sequence[LayerKey]) -> bool:
-    """With surgery only at the final representation, training never needs the merged model again."""
-    return list(layers) == ["final"]
-
-
-def batch_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Each token's position in its own sequence, counted from its first real token."""
-    batch, length = attention_mask.shape
-    return token_positions(attention_mask, None, length, 0, batch, attention_mask.device)
-
-
-def _pad_cat(chunks: list[torch.Tensor], length: int) -> torch.Tensor:
-    padded = [torch.nn.functional.pad(c, (0, 0) * (c.dim() - 2) + (0, length - c.shape[1])) for c in chunks]
-    return torch.cat(padded)
-
-
-def collect_features(
-    task: str,
-    task_index: int,
-    data: TokenizedSet,
-    expert: PreTrainedModel,
-    merged: PreTrainedModel | None,
-    layers: Sequence[LayerKey],
-    batch_size: int,
-    progress: bool = True,
-) -> TaskFeatures:
-    """Run expert k (and, in feature mode, the merged model) once over task k's calibration set."""
-    device = next(expert.parameters()).device
-    targets: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
-    entropies = []
-    batches = list(data.batches(batch_size))
-    for batch in tqdm(batches, desc=f"features {task}", unit="batch", disable=not progress):
-        ids = batch["input_ids"].to(device)
-        mask = batch["attention_mask"].to(device)
-        hidden, entropy = expert_targets(expert, ids, mask, layers)
-        entropies.append(entropy.cpu())
-        for k in layers:
-            targets[k].append(hidden[k].cpu())
-    length = data.input_ids.shape[1]
-    attention_mask = data.attention_mask
-    return TaskFeatures(
-        task=task,
-        task_index=task_index,
-        input_ids=data.input_ids,
-        attention_mask=attention_mask,
-        response_mask=data.response_mask,
-        positions=batch_positions(attention_mask),
-        entropy=torch.cat([torch.nn.functional.pad(e, (0, length - e.shape[1])) for e in entropies]),
-        targets={k: _pad_cat(v, length) for k, v in targets.items()},
-        merged={} if merged is None else collect_merged(task, data, merged, layers, batch_size, progress),
-    )
-
-
-def collect_merged(
-    task: str,
-    data: TokenizedSet,
-    merged: PreTrainedModel,
-    layers: Sequence[LayerKey],
-    batch_size: int,
-    progress: bool = True,
-) -> dict[LayerKey, torch.Tensor]:
-    """The merged model's h^m over a calibration set, padded like it: TaskFeatures.merged in feature mode.
-
-    Apart from the expert's pass, so several merges can share one expert pass (the ablation).
-    """
-    device = next(merged.parameters()).device
-    states: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
-    for batch in tqdm(list(data.batches(batch_size)), desc=f"merged features {task}", unit="batch",
-                      disable=not progress):
-        hidden = merged_hidden(merged, batch["input_ids"].to(device), batch["attention_mask"].to(device), layers)
-        for k in layers:
-            states[k].append(hidden[k].cpu())
-    return {k: _pad_cat(v, data.input_ids.shape[1]) for k, v in states.items()}
+    def flush(self) -> object: ...
 
 
 def build_corrections(tasks: Sequence[str], hidden_size: int, settings: CalibrationSection) -> DartsCorrections:

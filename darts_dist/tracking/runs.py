@@ -22,15 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import requests
+import sqlalchemy.exc
 import yaml
-from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from darts_dist.config import RunConfig, TrackingSection
 from darts_dist.core import BUCKET_LABELS, POSITION_BUCKETS
 from darts_dist.errors import DartsError
-from darts_dist.models import content_hash
+from darts_dist.sources.models import content_hash
+from mlflow import MlflowClient
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ _QUICK_REQUESTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_
 STAGE_TAG = "darts.stage"
 CORRECTIONS_TAG = "darts.corrections"
 MERGED_DIR_TAG = "darts.merged_dir"
+# What a tracking store that is down or refuses a request raises: MLflow's own errors, HTTP errors, SQL errors.
+STORE_ERRORS = (MlflowException, requests.RequestException, sqlalchemy.exc.SQLAlchemyError, OSError)
 
 
 def tracking_uri(configured: str) -> str:
@@ -94,7 +99,7 @@ def connect(uri: str) -> MlflowClient:
     with environment(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=_CHECK_TIMEOUT_S):
         try:
             client.search_experiments(max_results=1)
-        except Exception as error:  # requests, sqlalchemy and MLflow each raise their own kinds
+        except STORE_ERRORS as error:
             reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
             raise DartsError(
                 f"cannot reach the MLflow tracking store {uri}: {reason}",
@@ -167,7 +172,7 @@ class StepLogger:
                 with environment(**_QUICK_REQUESTS):
                     MlflowClient(tracking_uri=self.uri).log_batch(
                         self.run_id, metrics=self._pending[start: start + _METRICS_PER_BATCH])
-        except Exception as error:  # noqa: BLE001 - any failure of the store; training goes on
+        except STORE_ERRORS as error:  # the store failed; training goes on
             self._pending = self._pending[start:][-_MAX_PENDING:]
             if not self._failing:
                 logger.warning("MLflow store %s did not take step metrics (%s); keeping them and going on",
@@ -197,7 +202,7 @@ def _store_call(method: Callable) -> Callable:
             return None
         try:
             return method(self, *args, **kwargs)
-        except Exception as error:
+        except STORE_ERRORS as error:
             if reachable(self.uri):
                 raise  # the store answers: a real error, not an outage
             self.offline = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
@@ -281,7 +286,7 @@ def session(settings: TrackingSection, name: str, command: str) -> Iterator[Trac
             try:
                 with environment(**_QUICK_REQUESTS):
                     client.set_terminated(run_id, status)
-            except Exception:
+            except STORE_ERRORS:
                 # After a failure, that failure is the error to report, not a store gone with it.
                 if status == "FINISHED":
                     raise

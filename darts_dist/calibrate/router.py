@@ -1,0 +1,113 @@
+"""Fitting the task router (core.router) on the calibration prompts: scikit-learn's logistic regression on
+the merged model's mean-pooled prompt states, standardised."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from sklearn.linear_model import LogisticRegression
+from sklearn.preprocessing import StandardScaler
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from darts_dist.calibrate.features import prompt_features
+from darts_dist.config import RunConfig
+from darts_dist.core import ROUTER_FILE, LayerKey, TaskRouter
+from darts_dist.errors import DartsError
+from darts_dist.sources.data import TaskFiles, detect_format, prompts_of, split_rows
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, pad_id, resolve_device
+
+
+def fit_router(
+    features: Tensor, labels: Tensor, tasks: Sequence[str], layer: LayerKey, threshold: float = 0.5, l2: float = 1e-2,
+) -> TaskRouter:
+    """Multinomial logistic regression, features [N, d] -> labels [N] (task indices), on standardised features.
+
+    The objective is the mean cross-entropy plus l2/2·‖W‖² (scikit-learn's C = 1/(l2·N)): the penalty keeps
+    the weights finite on separable data, so the confidence stays a probability and not a step function.
+    Deterministic (L-BFGS over the whole set).
+    """
+    labels = torch.as_tensor(labels, dtype=torch.long)
+    if features.ndim != 2 or features.shape[0] != labels.shape[0]:
+        raise DartsError(f"router features must be [N, d] with one label each, got {list(features.shape)} "
+                         f"and {list(labels.shape)} labels")
+    missing = sorted(set(range(len(tasks))) - set(labels.tolist()))
+    if missing:
+        raise DartsError(f"no routing examples for tasks {[tasks[i] for i in missing]}",
+                         "give every task calibration prompts")
+    x = features.double().cpu().numpy()
+    scaler = StandardScaler().fit(x)  # a feature that never varies keeps scale 1 instead of blowing up
+    model = LogisticRegression(C=1.0 / (l2 * len(x)), max_iter=1000, tol=1e-8)
+    model.fit(scaler.transform(x), labels.numpy())
+    weight, bias = torch.from_numpy(model.coef_), torch.from_numpy(model.intercept_)
+    if len(tasks) == 2:  # scikit-learn keeps one row for two classes: logit(task 1) − logit(task 0)
+        weight, bias = torch.cat([torch.zeros_like(weight), weight]), torch.cat([torch.zeros_like(bias), bias])
+    return TaskRouter(tasks, layer, torch.from_numpy(scaler.mean_), torch.from_numpy(scaler.scale_), weight, bias,
+                      threshold)
+
+
+def task_prompts(
+    files: TaskFiles, split: str, config: RunConfig, tokenizer: PreTrainedTokenizerBase
+) -> list[list[int]]:
+    """A task's prompts as a served request would tokenise them: calibration rows (the ones calibration
+    trains on) or held-out rows, each cut to `calibration.max_length` tokens."""
+    rows = split_rows(files, split, config.calibration)
+    fmt = detect_format(rows, files.text_field) if files.format == "auto" else files.format
+    # A prompt rendered with the chat template holds its special tokens already (as CorrectedLM.chat does).
+    rendered = fmt != "text" and tokenizer.chat_template is not None
+    encoded = [tokenizer(p, add_special_tokens=not rendered, verbose=False)["input_ids"][:config.calibration.max_length]
+               for p in prompts_of(rows, tokenizer, fmt, files.text_field)]
+    return [ids for ids in encoded if ids]
+
+
+def _labelled_features(
+    tasks: Sequence[str], prompts: Mapping[str, list[list[int]]], model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase, layer: LayerKey, batch_size: int,
+) -> tuple[Tensor, Tensor]:
+    """Pooled features of every task's prompts, with the task's index as the label."""
+    features, labels = [], []
+    for index, task in enumerate(tasks):
+        if prompts.get(task):
+            features.append(prompt_features(model, prompts[task], layer, pad_id(tokenizer), batch_size))
+            labels.append(torch.full((len(prompts[task]),), index, dtype=torch.long))
+    return torch.cat(features), torch.cat(labels)
+
+
+def fit_run_router(
+    config: RunConfig, data: Mapping[str, TaskFiles], merged_dir: Path, layer: LayerKey,
+    model: PreTrainedModel | None = None,
+) -> dict[str, Any]:
+    """Fit the router on the run's calibration prompts, save RUN_DIR/router.safetensors, and report it.
+
+    With held-out data (of any task) the report has `accuracy` (top task = true task, whatever the
+    confidence), `per_task`, and `below_threshold` (the share of held-out prompts that would get no
+    correction).
+    """
+    settings, tasks = config.calibration, config.tasks
+    path = config.run_dir / ROUTER_FILE
+    tokenizer = load_tokenizer(merged_dir)
+    if model is None:  # a caller that holds the merged model already passes it
+        device = resolve_device(settings.device)
+        model = load_causal_lm(merged_dir, dtype=model_dtype(settings.dtype, device), device=device)
+
+    def labelled(split: str) -> tuple[Tensor, Tensor]:
+        prompts = {task: task_prompts(data[task], split, config, tokenizer) for task in tasks
+                   if split != "heldout" or data[task].heldout is not None}
+        return _labelled_features(tasks, prompts, model, tokenizer, layer, settings.batch_size)
+
+    features, labels = labelled("calibration")
+    router = fit_router(features, labels, tasks, layer, threshold=config.serve.router_threshold)
+    train_accuracy = router.accuracy(features, labels)
+    router.save(path, metadata={"train_accuracy": train_accuracy, "train_prompts": len(labels)})
+    report: dict[str, Any] = {"path": str(path), "layer": layer, "threshold": router.threshold,
+                              "train_accuracy": train_accuracy}
+    if any(files.heldout is not None for files in data.values()):
+        features, labels = labelled("heldout")
+        report["accuracy"] = router.accuracy(features, labels)
+        report["per_task"] = {task: router.accuracy(features[labels == i], labels[labels == i])
+                              for i, task in enumerate(tasks) if (labels == i).any()}
+        report["below_threshold"] = float((router.route(features).task < 0).float().mean())
+    return report

@@ -1,0 +1,102 @@
+"""The task router's math: which task's correction a prompt needs, from the merged model's own hidden states.
+
+DARTS needs a task per request; the router removes that need (DESIGN.md §1, Inference). It is a
+multinomial logistic regression on the mean-pooled hidden state of the prompt at the surgery layer,
+features standardised: p = softmax(W·(h − mean)/scale + b). Its probability of the top task is the
+confidence: at or above the threshold the request gets that task's correction, below it none.
+Fitting it is calibration's business (`darts_dist.calibrate.router`); here it is applied and stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from darts_dist.core.correction import LayerKey
+from darts_dist.core.io import read_tagged_header, read_tagged_tensors, write_tagged
+from darts_dist.errors import DartsError
+
+# The task a request names to be routed; config.RESERVED_TASKS keeps it from being a real task's name.
+ROUTED = "auto"
+ROUTER_FILE = "router.safetensors"
+FORMAT = "darts-dist-router"
+FORMAT_VERSION = 1
+_HEADER_KEYS = ("tasks", "layer", "hidden_size", "threshold", "metadata")
+
+
+class Routing(NamedTuple):
+    """The router's decision for a batch: task index per sequence (−1: below the threshold), its confidence,
+    and every task's probability."""
+
+    task: Tensor  # [B] long
+    confidence: Tensor  # [B]
+    probabilities: Tensor  # [B, K]
+
+
+class TaskRouter:
+    """softmax(W·(h − mean)/scale + b) over the tasks, for pooled prompt features h ∈ R^d."""
+
+    def __init__(
+        self,
+        tasks: Sequence[str],
+        layer: LayerKey,
+        mean: Tensor,
+        scale: Tensor,
+        weight: Tensor,
+        bias: Tensor,
+        threshold: float = 0.5,
+    ) -> None:
+        if not 0.0 <= threshold <= 1.0:
+            raise DartsError(f"the router threshold must be in [0, 1], got {threshold}")
+        self.tasks = tuple(tasks)
+        self.layer = layer
+        self.mean, self.scale, self.weight, self.bias = mean.float(), scale.float(), weight.float(), bias.float()
+        self.threshold = threshold
+
+    @property
+    def hidden_size(self) -> int:
+        return self.mean.shape[0]
+
+    def probabilities(self, hidden: Tensor) -> Tensor:
+        """[B, d] pooled features -> [B, K] task probabilities."""
+        x = (hidden.float().cpu() - self.mean) / self.scale
+        return torch.softmax(x @ self.weight.T + self.bias, dim=-1)
+
+    def route(self, hidden: Tensor, threshold: float | None = None) -> Routing:
+        """The top task of each sequence, or −1 where its probability is below the threshold."""
+        probabilities = self.probabilities(hidden)
+        confidence, task = probabilities.max(dim=-1)
+        cut = self.threshold if threshold is None else threshold
+        return Routing(task.masked_fill(confidence < cut, -1), confidence, probabilities)
+
+    def accuracy(self, hidden: Tensor, labels: Tensor) -> float:
+        """The share of sequences whose top task is their label, whatever the confidence."""
+        return float((self.probabilities(hidden).argmax(dim=-1) == labels).float().mean())
+
+    def save(self, path: Path, metadata: dict[str, Any] | None = None) -> Path:
+        """The router as safetensors with a JSON header (tasks, layer, threshold), written atomically."""
+        header = {"format": FORMAT, "version": FORMAT_VERSION, "tasks": list(self.tasks), "layer": self.layer,
+                  "hidden_size": self.hidden_size, "threshold": self.threshold, "metadata": metadata or {}}
+        tensors = {"mean": self.mean, "scale": self.scale, "weight": self.weight, "bias": self.bias}
+        return write_tagged(path, tensors, header, "router")
+
+    @classmethod
+    def load(cls, path: Path) -> TaskRouter:
+        """Read a router file, refusing one whose tensors do not fit its header."""
+        path = Path(path)
+        header = read_tagged_header(path, FORMAT, FORMAT_VERSION, _HEADER_KEYS, "router")
+        K, d = len(header["tasks"]), header["hidden_size"]
+        expected = {"mean": [d], "scale": [d], "weight": [K, d], "bias": [K]}
+        tensors = read_tagged_tensors(path, expected, "router")
+        return cls(header["tasks"], header["layer"], threshold=header["threshold"], **tensors)
+
+
+@torch.no_grad()
+def pool_prompts(hidden: Tensor, attention_mask: Tensor) -> Tensor:
+    """Each prompt's mean hidden state over its real tokens: [B, S, d] and [B, S] -> [B, d] fp32."""
+    weights = attention_mask.unsqueeze(-1).float()
+    return (hidden.float() * weights).sum(dim=1) / weights.sum(dim=1)

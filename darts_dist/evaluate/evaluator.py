@@ -1,0 +1,163 @@
+"""The one evaluator (FusionBench's task pool): the pipeline and the ablation judge merges and corrections with it.
+
+Each task's expert runs once over the task's sets (`expert_side`: held-out, validation when tuning,
+the reference answers' NLL sets, and its own task score); each merged model runs once over them
+(`merged_side`); then any number of corrections are judged from those passes (`evaluate`), which
+adds only the corrected passes and the corrected (and routed) answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from darts_dist.config import RunConfig
+from darts_dist.core import ROUTED, DartsCorrections, LayerKey, TaskRouter, TokenizedSet
+from darts_dist.evaluate.passes import Outputs, Reference, TaskTally, corrected_outputs, merged_outputs, reference
+from darts_dist.evaluate.tables import overall
+from darts_dist.evaluate.task_scores import (
+    Problem,
+    Scorer,
+    canonical_fields,
+    canonical_set,
+    pass_rate,
+    score_fields,
+    scorer_named,
+)
+from darts_dist.generation import CorrectedLM
+from darts_dist.sources.data import TaskFiles, tokenized
+
+logger = logging.getLogger(__name__)
+SPLITS = ("heldout", "validation")
+
+
+def headline_layer(layers: Sequence[LayerKey]) -> LayerKey:
+    """Bias is reported at the final representation when corrected there, else at the last surgery layer."""
+    return "final" if "final" in layers else max(layers)
+
+
+@dataclass
+class ExpertSide:
+    """One task and everything its expert contributes, computed once for every merge and correction."""
+
+    task: str
+    index: int
+    heldout: list[Reference]
+    validation: list[Reference]  # empty unless asked for (tuning)
+    scorer: Scorer | None
+    problems: list[Problem]
+    canonical: list[Reference]  # the reference answers' batches (scorers with canonical NLL)
+    score: float | None  # the expert's own task score
+
+
+@dataclass
+class MergedSide:
+    """One merged model's outputs on one task's sets, computed once for every correction."""
+
+    heldout: list[Outputs]
+    validation: list[Outputs]
+    canonical: list[Outputs]
+    score: float | None
+
+
+class Evaluator:
+    """Held-out bias by position, NLL and task scores of merged and corrected models against their experts."""
+
+    def __init__(
+        self, config: RunConfig, data: Mapping[str, TaskFiles], tokenizer: PreTrainedTokenizerBase,
+        progress: bool = True,
+    ) -> None:
+        self.config = config
+        self.data = data
+        self.tokenizer = tokenizer
+        self.layer = headline_layer(config.calibration.layers)
+        self.progress = progress
+
+    def _references(self, expert: PreTrainedModel, data: TokenizedSet | None, desc: str) -> list[Reference]:
+        if data is None:
+            return []
+        batches = list(data.batches(self.config.calibration.batch_size))
+        return [reference(expert, batch, self.layer)
+                for batch in tqdm(batches, desc=desc, unit="batch", disable=not self.progress)]
+
+    def _score(self, lm: CorrectedLM, task: str | None, side: ExpertSide, model: str) -> float | None:
+        if side.scorer is None or not side.problems:
+            return None
+        return pass_rate(lm, task, side.problems, side.scorer, self.config.evaluation,
+                         desc=f"{model} answers {side.task}", progress=self.progress)
+
+    def expert_side(self, index: int, expert: PreTrainedModel, validation: bool = False) -> ExpertSide:
+        """Run task `index`'s expert over its held-out set (and validation set), reference answers and problems."""
+        task = self.config.tasks[index]
+        files, settings, limit = self.data[task], self.config.calibration, self.config.evaluation.score_limit
+        scorer = scorer_named(files.scorer) if limit != 0 else None
+        problems = [] if scorer is None else scorer.problems(files.heldout, limit)
+        canonical = (canonical_set(problems, self.tokenizer, task)
+                     if scorer is not None and scorer.canonical_nll and problems else None)
+        side = ExpertSide(
+            task=task,
+            index=index,
+            heldout=self._references(expert, tokenized(files, task, "heldout", settings, self.tokenizer),
+                                     f"expert {task}"),
+            validation=self._references(expert, tokenized(files, task, "validation", settings, self.tokenizer)
+                                        if validation else None, f"expert {task} validation"),
+            scorer=scorer,
+            problems=problems,
+            canonical=self._references(expert, canonical, f"expert {task} solutions"),
+            score=None,
+        )
+        with CorrectedLM(expert, self.tokenizer) as lm:
+            side.score = self._score(lm, None, side, "expert")
+        return side
+
+    def merged_side(self, merged: PreTrainedModel, side: ExpertSide) -> MergedSide:
+        """The merged model over one task's sets, and its task score."""
+        outputs = {name: [merged_outputs(merged, ref, self.layer) for ref in getattr(side, name)]
+                   for name in ("heldout", "validation", "canonical")}
+        with CorrectedLM(merged, self.tokenizer) as lm:
+            score = self._score(lm, None, side, "merged")
+        return MergedSide(score=score, **outputs)
+
+    def _tally(
+        self, refs: Sequence[Reference], plains: Sequence[Outputs], merged: PreTrainedModel,
+        corrections: DartsCorrections | None, side: ExpertSide,
+    ) -> dict[str, object]:
+        """The results on one set; without corrections the 'corrected' model is the merged one."""
+        tally = TaskTally()
+        for ref, plain in zip(refs, plains):
+            fixed = plain if corrections is None else corrected_outputs(merged, ref, plain, corrections, side.index,
+                                                                        self.layer)
+            tally.add(ref, plain, fixed)
+        return tally.result(side.task, self.layer)
+
+    def evaluate(
+        self,
+        merged: PreTrainedModel,
+        corrections: DartsCorrections | None,
+        sides: Sequence[tuple[ExpertSide, MergedSide]],
+        split: str = "heldout",
+        router: TaskRouter | None = None,
+    ) -> dict[str, object]:
+        """{"overall", "tasks"} of the merged model under `corrections` (None: uncorrected) on the held-out or
+        validation split; held-out adds task scores, and with a router the routed model's (the task left to
+        the router, as for served requests to the routed model id)."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        tasks = {}
+        for side, plain in sides:
+            result = self._tally(getattr(side, split), getattr(plain, split), merged, corrections, side)
+            if split == "heldout" and side.scorer is not None and side.problems:
+                corrected, routed = plain.score, None  # without corrections, the merged model is the 'corrected' one
+                if corrections is not None:
+                    with CorrectedLM(merged, self.tokenizer, corrections, router) as lm:
+                        corrected = self._score(lm, side.task, side, "corrected")
+                        routed = None if router is None else self._score(lm, ROUTED, side, "routed")
+                result |= score_fields(side.scorer, len(side.problems), side.score, plain.score, corrected, routed)
+                if side.canonical:
+                    result |= canonical_fields(self._tally(side.canonical, plain.canonical, merged, corrections, side))
+            tasks[side.task] = result
+        return {"overall": overall(tasks), "tasks": tasks}

@@ -1,0 +1,76 @@
+"""Evaluation results for people and for comparison: means over tasks, and formatted table rows."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+SCORE_KEYS = ("score_expert", "score_merged", "score_corrected", "score_routed")
+OVERALL_KEYS = (
+    "bias_before", "bias_after", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction",
+    "nll_expert", "nll_merged", "nll_corrected", "nll_gap_closed", *SCORE_KEYS,
+)
+
+
+def overall(tasks: Mapping[str, Mapping[str, object]]) -> dict[str, float | None]:
+    """Unweighted mean over tasks, so every task counts the same whatever its length (scores: over scored tasks)."""
+    summary: dict[str, float | None] = {}
+    for key in OVERALL_KEYS:
+        values = [t[key] for t in tasks.values() if t.get(key) is not None]
+        summary[key] = sum(values) / len(values) if values else None
+    return summary
+
+
+def format_value(key: str, value: object) -> str:
+    """A result for people: shares as percentages, counts and names as they are, missing ones as "-"."""
+    if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return "-" if value is None else str(value)
+    if not math.isfinite(float(value)):
+        return "-"
+    if key.endswith(("reduction", "closed")) or key in SCORE_KEYS:
+        return f"{100 * float(value):.1f}%"
+    return f"{float(value):.4f}"
+
+
+def evaluation_rows(tasks: Mapping[str, Mapping[str, object]], columns: Sequence[str]) -> list[list[str]]:
+    """Table rows (one per task, then the overall mean) with numbers formatted for people."""
+    rows = [[name] + [format_value(c, result.get(c)) for c in columns] for name, result in tasks.items()]
+    mean = overall(tasks)
+    rows.append(["overall"] + [format_value(c, mean.get(c)) for c in columns])
+    return rows
+
+
+EVALUATION_COLUMNS = {
+    "bias_before": "bias merged",
+    "bias_after": "bias corrected",
+    "bias_reduction": "bias reduction",
+    "weighted_bias_reduction": "entropy-weighted",
+    "late_bias_reduction": "late (t>=64)",
+    "nll_expert": "NLL expert",
+    "nll_merged": "NLL merged",
+    "nll_corrected": "NLL corrected",
+    "nll_gap_closed": "NLL gap closed",
+}
+
+
+SCORE_COLUMNS = {
+    "score_name": "scorer",
+    "score_n": "n",
+    "score_expert": "expert",
+    "score_merged": "merged",
+    "score_corrected": "corrected",
+    "score_routed": "routed",
+    "canonical_nll_expert": "solution NLL expert",
+    "canonical_nll_merged": "solution NLL merged",
+    "canonical_nll_corrected": "solution NLL corrected",
+}
+
+
+def evaluation_tables(title: str, evaluation: Mapping[str, object]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, headers, rows) of an evaluation's results, and of its task scores where a task has them."""
+    tables = [(title, ["task", *EVALUATION_COLUMNS.values()], evaluation_rows(evaluation["tasks"], list(EVALUATION_COLUMNS)))]
+    scored = {task: result for task, result in evaluation["tasks"].items() if "score_name" in result}
+    if scored:
+        tables.append(("task scores (greedy, held-out; HumanEval: pass@1 and NLL of the canonical solution)",
+                       ["task", *SCORE_COLUMNS.values()], evaluation_rows(scored, list(SCORE_COLUMNS))))
+    return tables

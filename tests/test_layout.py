@@ -1,0 +1,94 @@
+"""The package's layout is its data's path: no import cycle, no layer importing a later one, and serving
+(the Ray Serve app and the registered pyfunc model) free of the demo and of `datasets`."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).absolute().parent.parent / "darts_dist"
+# Each module's layer, by its dotted prefix (the longest prefix wins): a module may import its own layer
+# and earlier ones, never a later one (DESIGN.md §5).
+LAYERS = {
+    "darts_dist": 0, "darts_dist.core": 0, "darts_dist.config": 0, "darts_dist.errors": 0, "darts_dist.fsutil": 0,
+    "darts_dist.logs": 0, "darts_dist.fanin": 0, "darts_dist.options": 0,
+    "darts_dist.sources": 1,
+    "darts_dist.merge": 2,
+    "darts_dist.calibrate": 3,
+    "darts_dist.generation": 4,
+    "darts_dist.evaluate": 5,
+    "darts_dist.tracking": 6, "darts_dist.registry": 6,
+    "darts_dist.serve": 7,
+    "darts_dist.pipeline": 8, "darts_dist.ablation": 8,
+    "darts_dist.cli": 9,
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """Every darts_dist module and the darts_dist modules it imports, lazy imports inside functions included."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = {t for t in targets if t in modules and t != name and modules[t].name != "__init__.py"}
+    return graph
+
+
+def layer(module: str) -> int:
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[prefix]
+
+
+def test_no_import_cycle() -> None:
+    graph, state, stack = imports(), {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for target in sorted(graph[node]):
+            assert state.get(target) != "open", "import cycle: " + " -> ".join(stack[stack.index(target):] + [target])
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_no_layer_imports_a_later_one() -> None:
+    upward = sorted(f"{source} -> {target}" for source, targets in imports().items() for target in targets
+                    if layer(target) > layer(source))
+    assert upward == []
+
+
+def test_only_sources_import_the_demo() -> None:
+    outside = sorted(f"{source} -> {target}" for source, targets in imports().items() for target in targets
+                     if target.startswith("darts_dist.sources.demo") and not source.startswith("darts_dist.sources"))
+    assert outside == []
+
+
+def test_serving_imports_neither_the_demo_nor_datasets() -> None:
+    """The Serve app's and the pyfunc model's modules, imported in a fresh process."""
+    probe = ("import json, sys\n"
+             "import darts_dist.serve, darts_dist.tracking.pyfunc_model\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'datasets'"
+             " or m.startswith(('darts_dist.sources.demo', 'darts_dist.sources.data', 'darts_dist.sources.references',"
+             " 'darts_dist.pipeline', 'darts_dist.ablation')))))\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
