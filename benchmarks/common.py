@@ -20,13 +20,12 @@ from pathlib import Path
 import psutil
 import torch
 
-from darts_dist.cli import packaged_config
-from darts_dist.config import RunConfig, load_config, updated
+from darts_dist.config import RunConfig, load_config, packaged_config, updated
 from darts_dist.core import TokenizedSet
 from darts_dist.fsutil import cache_root
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.pipeline import merge_stage
 from darts_dist.sources.data import tokenized
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources, resolve_sources
 
 # Ray's token auth is for shared clusters; a benchmark's local cluster is this process's own.

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from common import emit, forward_floor, note, parser
 
-from darts_dist.config import parse_config
 from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
+from darts_dist.config import parse_config
 from darts_dist.fsutil import atomic_dir, cache_root
-from darts_dist.sources.references import resolve_sources
 from darts_dist.sources.demo.tiny import build_tiny_tokenizer
+from darts_dist.sources.references import resolve_sources
 
 TASKS = ("code", "math", "instruct")
 

@@ -253,11 +253,11 @@ def main() -> None:
 def fit_demo_router(config, sources, merged_dir):
     """A router for the demo merge, fit on held-out prompts (cached): the routed model id needs one."""
     import torch
+    from serve_overhead import task_prompts
 
+    from darts_dist.calibrate.router import ROUTER_FILE, fit_router, prompt_features
     from darts_dist.fsutil import cache_root
     from darts_dist.generation import CorrectedLM
-    from darts_dist.calibrate.router import ROUTER_FILE, fit_router, prompt_features
-    from serve_overhead import task_prompts
 
     path = cache_root() / "benchmarks" / "serve" / f"{merged_dir.parent.name}-{ROUTER_FILE}"
     if path.is_file():

@@ -13,8 +13,8 @@ import time
 
 from common import PeakMemory, demo_setup, emit, note, parser
 
-from darts_dist.config import RunConfig, updated
 from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
+from darts_dist.config import RunConfig, updated
 from darts_dist.fsutil import cache_root
 from darts_dist.sources.references import demo_data, resolve_sources
 

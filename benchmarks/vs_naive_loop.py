@@ -15,11 +15,11 @@ import time
 import torch
 from common import calibration_sets, demo_setup, emit, note, parser
 
-from darts_dist.calibrate.loop import build_corrections, calibration_loss
-from darts_dist.core import mask_positions
-from darts_dist.config import RunConfig
-from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
 from darts_dist.calibrate.features import expert_targets, merged_hidden
+from darts_dist.calibrate.loop import build_corrections, calibration_loss
+from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
+from darts_dist.config import RunConfig
+from darts_dist.core import mask_positions
 from darts_dist.sources.models import load_causal_lm
 from darts_dist.sources.references import ResolvedSources
 

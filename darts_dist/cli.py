@@ -8,7 +8,6 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,7 +15,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from darts_dist.config import CORRECTIONS_FILE, RunConfig, TrackingSection, is_mergekit_yaml, load_config, read_yaml
+from darts_dist.config import (
+    CORRECTIONS_FILE,
+    RunConfig,
+    TrackingSection,
+    is_mergekit_yaml,
+    load_config,
+    packaged_config,
+    read_yaml,
+)
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import evaluation_tables
 from darts_dist.logs import show_progress_logs
@@ -35,11 +42,6 @@ errors = Console(stderr=True, soft_wrap=True)  # paths in messages stay on one l
 
 # Heavy imports (torch, transformers, mergekit) happen inside the commands, so `--help` and
 # `validate` answer at once.
-
-
-def packaged_config(name: str) -> Path:
-    """A config shipped inside the package (the embedded demo and its tiny twin)."""
-    return Path(str(resources.files("darts_dist") / "configs" / f"{name}.yaml"))
 
 
 def command_config(path: Path, args: argparse.Namespace) -> RunConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -297,6 +298,12 @@ def read_yaml(path: Path) -> Any:
 def is_mergekit_yaml(data: Any) -> bool:
     """A mergekit YAML has `merge_method` at its top level; a darts-dist one has `sources`."""
     return isinstance(data, dict) and "merge_method" in data and "sources" not in data
+
+
+def packaged_config(name: str) -> Path:
+    """A config shipped inside the package: `demo` (the embedded default) or `tiny` (its tiny twin); the
+    checkout's jobs/configs/ links to the same files."""
+    return Path(str(resources.files("darts_dist") / "configs" / f"{name}.yaml"))
 
 
 def load_config(path: Path) -> RunConfig:

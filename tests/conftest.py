@@ -41,13 +41,31 @@ def tiny_tokenizer():
     return build_tiny_tokenizer()
 
 
+# The one Ray cluster of this test process, once a test asks for it (`ray_cluster`).
+_SHARED_RAY = {"up": False}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for every test that runs Ray in this process (a calibration job joins it, as it
+    joins any cluster it finds): about 5 s to start, paid once. Logically oversubscribed, since Ray Data
+    next to Ray Train deadlocks on 2 CPUs (DESIGN.md §4), and labelled expert_node for placement tests."""
+    import ray
+
+    ray.init(num_cpus=8, resources={"expert_node": 1}, include_dashboard=False)
+    _SHARED_RAY["up"] = True
+    yield
+    _SHARED_RAY["up"] = False
+    ray.shutdown()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_ray_left_running():
-    """Every test module leaves no Ray session behind: a later `calibrate` would join a leftover
-    (e.g. one Ray Serve's helpers start on their own, sized to this machine's cores) instead of
-    starting the cluster its job needs."""
+    """Every test module leaves no Ray session of its own behind (the shared one stays): a later
+    `calibrate` would join a leftover (e.g. one Ray Serve's helpers start on their own, sized to this
+    machine's cores) instead of the cluster its job needs."""
     yield
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized() and not _SHARED_RAY["up"]:
         ray.shutdown()

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow import MlflowClient
 
 from darts_dist.ablation import SHARED_KNOBS, VARIANTS, plan_ablation, search_space, sweep_settings
 from darts_dist.calibrate.loop import build_corrections
 from darts_dist.cli import main
 from darts_dist.config import parse_config
-from darts_dist.sources.data import calibration_split, load_rows
 from darts_dist.errors import DartsError
+from darts_dist.sources.data import calibration_split, load_rows
 from darts_dist.sources.references import demo_data
+from mlflow import MlflowClient
 
 TASKS = ("code", "math")
 # What each variant may change relative to DARTS (the config's settings), and nothing else.

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file, save_file
 

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mlflow import MlflowClient
-
 from darts_dist.cli import main
 from darts_dist.core import read_header
 from darts_dist.serve.model import resolve_model
+from mlflow import MlflowClient
 
 SUBCOMMANDS = ("demo", "merge", "calibrate", "evaluate", "validate")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from darts_dist.config import load_config, parse_config
 from darts_dist.calibrate.ray.placement import custom_resources, job_bundles
+from darts_dist.config import load_config, parse_config
 
 REPO = Path(__file__).absolute().parent.parent
 JOB_COMMANDS = ("merge", "calibrate", "evaluate", "register", "serve-deploy")

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from darts_dist.core import mask_positions
-from darts_dist.sources.demo import experts as experts_module
 from darts_dist.errors import DartsError
+from darts_dist.sources.demo import experts as experts_module
 from darts_dist.sources.demo.experts import (
     IGNORE_INDEX,
     ExpertTraining,

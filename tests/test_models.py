@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from darts_dist.errors import DartsError
+from darts_dist.sources.demo.tiny import build_tiny_tokenizer, make_tiny_family
 from darts_dist.sources.models import (
     BUNDLED_MODEL,
     ModelInfo,
@@ -25,7 +26,6 @@ from darts_dist.sources.models import (
     read_model_info,
     resolve_path,
 )
-from darts_dist.sources.demo.tiny import build_tiny_tokenizer, make_tiny_family
 
 
 def _config_variant(source: Path, target: Path, **changes) -> Path:

@@ -43,14 +43,7 @@ def test_placement_tags_name_each_node_by_address_id_and_labels() -> None:
     }
 
 
-@pytest.fixture
-def one_node():
-    ray.init(num_cpus=4, resources={"expert_node": 1}, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-def test_waiting_for_missing_resources_is_bounded_and_says_what_is_missing(one_node) -> None:
+def test_waiting_for_missing_resources_is_bounded_and_says_what_is_missing(ray_cluster) -> None:
     wait_for_resources(ClusterSection(expert_resources={"expert_node": 0.25}), num_experts=3)  # fits: returns
     assert ray.util.placement_group_table() == {} or all(
         group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())  # nothing kept reserved
@@ -59,11 +52,11 @@ def test_waiting_for_missing_resources_is_bounded_and_says_what_is_missing(one_n
         wait_for_resources(ClusterSection(expert_resources={"gpu_node": 1}, resource_wait_s=1.0), num_experts=3)
     assert 1.0 <= time.monotonic() - started < 10
     assert "no room for the job's expert actors after waiting 1 s" in error.value.what
-    assert "3 × (CPU=1, gpu_node=1)" in error.value.what and "CPU=4, expert_node=1" in error.value.what
+    assert "3 × (CPU=1, gpu_node=1)" in error.value.what and "CPU=8, expert_node=1" in error.value.what
     assert "ray start --resources" in error.value.fix
 
 
-def test_strict_spread_needs_a_node_per_worker(one_node) -> None:
+def test_strict_spread_needs_a_node_per_worker(ray_cluster) -> None:
     """Two workers that would fit one node's CPUs, but STRICT_SPREAD asks for two nodes: Ray says no."""
     wait_for_resources(ClusterSection(num_workers=2, placement_strategy="PACK"), num_experts=1)
     with pytest.raises(DartsError, match="training workers") as error:

@@ -10,14 +10,14 @@ import torch
 import yaml
 from test_generation import PROMPTS, TASKS, strong_corrections
 
+from darts_dist.calibrate.router import fit_router, fit_run_router
 from darts_dist.cli import main
 from darts_dist.config import TrackingSection, load_config
+from darts_dist.core import ROUTED, TaskRouter
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
-from darts_dist.tracking.registry import fetch_model
-from darts_dist.calibrate.router import fit_router, fit_run_router
-from darts_dist.core import ROUTED, TaskRouter
 from darts_dist.sources.references import resolve_sources
+from darts_dist.tracking.registry import fetch_model
 from darts_dist.tracking.runs import connect, tracking_uri
 
 

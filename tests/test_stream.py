@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from darts_dist.sources.data import load_rows, tokenize_rows
-from darts_dist.calibrate.ray.feature_store import FeatureStore
 from darts_dist.calibrate.features import expert_targets
-from darts_dist.sources.models import load_causal_lm
-from darts_dist.sources.references import demo_data
+from darts_dist.calibrate.ray.feature_store import FeatureStore
 from darts_dist.calibrate.ray.stream import ExpertStream, from_wire, source_rows, target_column, to_wire
 from darts_dist.core import pad_rows
+from darts_dist.sources.data import load_rows, tokenize_rows
+from darts_dist.sources.models import load_causal_lm
+from darts_dist.sources.references import demo_data
 
 
 @pytest.fixture(scope="module")

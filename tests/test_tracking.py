@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import sysconfig
 import time
+from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlflow.pyfunc
 import pytest
 import yaml
-from mlflow import MlflowClient
+from mlflow_server import free_port, mlflow_server
 
 from darts_dist.cli import main
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
 from darts_dist.tracking.registry import DECISION_TAG, DECISIVE_METRIC, MODEL_URI_TAG, VERSION_TAG, register_version
 from darts_dist.tracking.runs import connect, experiment_id, tracking_uri
-from mlflow_server import free_port, mlflow_server
+from mlflow import MlflowClient
 
 MODEL = "tiny-darts"
 STEPS = 6
@@ -62,7 +66,7 @@ def write_config(tiny_family, folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tracked(server: str, tiny_family, tmp_path_factory: pytest.TempPathFactory):
+def tracked(server: str, ray_cluster, tiny_family, tmp_path_factory: pytest.TempPathFactory):
     """One `darts-dist calibrate` tracked on the server: its report, run folder and a client."""
     folder = tmp_path_factory.mktemp("tracked")
     config = write_config(tiny_family, folder)
@@ -140,58 +144,61 @@ def test_a_calibration_logs_params_metrics_and_artifacts(tracked, tmp_path: Path
     assert tags[VERSION_TAG] == f"{MODEL}/1" and tags[DECISION_TAG] == tracking["decision"]
 
 
-# Run in a fresh process where darts-dist is not installed: the editable install's finder and the checkout
-# leave the import system, so only the code the model carries can answer `import darts_dist`. Afterwards,
-# every distribution the process imported must be a logged requirement or one of theirs.
+# The model loaded in a fresh process whose only packages are its logged requirements and what they require:
+# Python started without its site (-S), so the venv and this checkout's editable install are out of reach, and
+# a folder of links to just those distributions as its path.
 ISOLATED_LOAD = """
-import importlib, importlib.util, json, re, sys
-from importlib import metadata
-sys.meta_path = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-sys.path = [p for p in sys.path if "__editable__" not in p and not p.startswith({repo!r})]
-sys.path_importer_cache.clear(); importlib.invalidate_caches()
-assert importlib.util.find_spec("darts_dist") is None, "darts_dist is still importable"
+import importlib.util, json, sys
+assert importlib.util.find_spec("darts_dist") is None, "darts_dist is importable without the model's code"
 import mlflow, pandas as pd
 model = mlflow.pyfunc.load_model({uri!r})
 out = model.predict(pd.DataFrame({{"prompt": [{prompt!r}], "task": [{task!r}]}}), params={{"max_new_tokens": 10}})
 import darts_dist
-
-def name(dist):
-    return re.sub(r"[-_.]+", "-", dist).lower()
-
-def requires(dist):
-    return [re.match(r"[A-Za-z0-9._-]+", r)[0] for r in metadata.requires(dist) or [] if "extra ==" not in r]
-
-logged = [line.split("==")[0] for line in open(mlflow.pyfunc.get_model_dependencies({uri!r})).read().split()
-          if "==" in line]
-closure, todo = set(), list(logged)
-while todo:
-    dist = name(todo.pop())
-    if dist not in closure:
-        closure.add(dist)
-        try:
-            todo += requires(dist)
-        except metadata.PackageNotFoundError:
-            pass
-owners = metadata.packages_distributions()
-imported = {{name(d) for m in list(sys.modules) for d in owners.get(m.partition(".")[0], [])}}
-print(json.dumps({{"records": out.to_dict(orient="records"), "code": darts_dist.__file__,
-                  "logged": logged, "unlisted": sorted(imported - closure)}}))
+print(json.dumps({{"records": out.to_dict(orient="records"), "code": darts_dist.__file__}}))
 """
 
 
-def test_the_champion_loads_without_darts_dist_installed_and_generates_like_darts_dist(
-    tracked, tmp_path: Path
-) -> None:
-    repo = str(Path(__file__).absolute().parent.parent)
-    script = ISOLATED_LOAD.format(repo=repo, uri=f"models:/{MODEL}@champion", prompt=PROMPT, task=TASK)
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "MLFLOW_TRACKING_URI": tracked.uri}, timeout=300)
+def requirements_environment(requirements: list[str], folder: Path) -> Path:
+    """A site-packages folder holding (as links into this environment's) exactly the distributions that
+    `pip install` of `requirements` brings: them and what they require, extras left out."""
+    def name(dist: str) -> str:
+        return re.sub(r"[-_.]+", "-", dist).lower()
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    view = folder / "site-packages"
+    view.mkdir()
+    seen, todo = set(), [line.split("==")[0] for line in requirements]
+    while todo:
+        dist = name(todo.pop())
+        if dist in seen:
+            continue
+        seen.add(dist)
+        try:
+            found = metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            continue  # a requirement for another platform or Python
+        todo += [re.match(r"[A-Za-z0-9._-]+", r)[0] for r in found.requires or [] if "extra ==" not in r]
+        for top in {file.parts[0] for file in found.files or [] if file.parts[0] not in ("..", "__pycache__")}:
+            if (site / top).exists() and not (view / top).exists():
+                (view / top).symlink_to(site / top)
+    return view
+
+
+def test_the_champion_loads_with_only_its_requirements_and_generates_like_darts_dist(tracked, tmp_path: Path) -> None:
+    uri = f"models:/{MODEL}@champion"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", tracked.uri)
+        logged = Path(mlflow.pyfunc.get_model_dependencies(uri)).read_text().split()
+    assert not any(line.lower().startswith("darts-dist") for line in logged)  # no package index serves it
+    assert all("==" in line and "+" not in line for line in logged)  # pinned, without local build labels (+cpu)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracked.uri,
+           "PYTHONPATH": str(requirements_environment(logged, tmp_path))}
+    script = ISOLATED_LOAD.format(uri=uri, prompt=PROMPT, task=TASK)
+    result = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                            env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    assert not loaded["code"].startswith(repo) and "/code/darts_dist/" in loaded["code"]  # the model's own copy
-    assert "darts-dist" not in {name.lower() for name in loaded["logged"]}  # no package index serves it
-    assert all("+" not in line for line in loaded["logged"])  # no local build labels (torch's +cpu)
-    assert loaded["unlisted"] == [], "imported but neither logged nor required by what is logged"
+    assert "/code/darts_dist/" in loaded["code"]  # the copy the model carries
     [served] = loaded["records"]
     lm = CorrectedLM.load(tracked.run_dir / "merged", tracked.run_dir / "corrections.safetensors")
     [own] = lm.generate([PROMPT], [TASK], max_new_tokens=10)

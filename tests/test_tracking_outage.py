@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow import MlflowClient
+from mlflow_server import free_port, mlflow_server, stop
 
 from darts_dist.cli import main
 from darts_dist.core import load_corrections
 from darts_dist.tracking.registry import VERSION_TAG
 from darts_dist.tracking.runs import STAGE_TAG
-from mlflow_server import free_port, mlflow_server, stop
+from mlflow import MlflowClient
 
 MODEL = "outage-darts"
 
@@ -55,7 +55,7 @@ def drop_when_calibration_starts(uri: str, server, done: threading.Event) -> Non
         time.sleep(0.1)
 
 
-def test_a_server_lost_mid_run_loses_nothing(tiny_family, tmp_path, monkeypatch, capsys) -> None:
+def test_a_server_lost_mid_run_loses_nothing(ray_cluster, tiny_family, tmp_path, monkeypatch, capsys) -> None:
     port, store = free_port(), tmp_path / "store"
     store.mkdir()
     uri = f"http://127.0.0.1:{port}"
