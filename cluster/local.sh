@@ -8,7 +8,8 @@
 #
 # Settings (environment): DARTS_LOCAL_CLUSTER_DIR (Ray's temp folder, keep it short: socket paths
 # are limited to 107 bytes), PORT, DASHBOARD_PORT, HEAD_CPUS, WORKER_CPUS, HEAD_RESOURCES,
-# WORKER_RESOURCES (JSON). Defaults: the head has {"train_node": 1} (the calibration worker runs
+# WORKER_RESOURCES (JSON), JOB_SERVER_WAIT_S (how long `start` waits for the job server; default 180,
+# more on a loaded machine, where every Ray process starts slowly). Defaults: the head has {"train_node": 1} (the calibration worker runs
 # there) and the worker node {"expert_node": 3} (the three expert actors), as
 # jobs/configs/local-two-node.yaml asks.
 set -euo pipefail
@@ -22,6 +23,7 @@ default_head_resources='{"train_node": 1}'
 default_worker_resources='{"expert_node": 3}'
 HEAD_RESOURCES="${HEAD_RESOURCES:-$default_head_resources}"
 WORKER_RESOURCES="${WORKER_RESOURCES:-$default_worker_resources}"
+JOB_SERVER_WAIT_S="${JOB_SERVER_WAIT_S:-180}"
 # Ray's token auth is for shared clusters; this one listens on loopback only.
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 
@@ -47,7 +49,7 @@ start() {
         --temp-dir="$DIR/worker" --disable-usage-stats
     # The dashboard takes jobs only once its agent on the head is up ("No available agent to submit
     # job" before that): wait until a no-op job is accepted (bounded).
-    local deadline=$((SECONDS + 180)) answer
+    local deadline=$((SECONDS + JOB_SERVER_WAIT_S)) answer
     while ((SECONDS < deadline)); do
         if answer="$(ray job submit --address "http://127.0.0.1:$DASHBOARD_PORT" --no-wait -- true 2>&1)"; then
             echo "local cluster: 127.0.0.1:$PORT, jobs at http://127.0.0.1:$DASHBOARD_PORT"
@@ -55,7 +57,7 @@ start() {
         fi
         sleep 2
     done
-    echo "the local cluster's job server did not take a job within 180 s: ${answer##*$'\n'}" >&2
+    echo "the local cluster's job server did not take a job within $JOB_SERVER_WAIT_S s: ${answer##*$'\n'}" >&2
     echo "see $DIR/head/session_latest/logs; stop the cluster with: $0 stop" >&2
     exit 1
 }

@@ -20,4 +20,6 @@ def show_progress_logs(level: int = logging.INFO) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(_FORMAT)
         logger.addHandler(handler)
+        # Once: not again through a root handler (a Ray worker's, a Ray job driver's), which doubled every line.
+        logger.propagate = False
     logger.setLevel(level)

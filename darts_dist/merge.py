@@ -15,6 +15,7 @@ import huggingface_hub
 import yaml
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from mergekit import merge_methods as mergekit_methods
+from mergekit.common import ModelPath, ModelReference
 from mergekit.config import MergeConfiguration
 from mergekit.io.tasks import LoaderCache
 from mergekit.merge import run_merge as mergekit_run_merge
@@ -202,11 +203,18 @@ def _resolve_references(node: Any, yaml_file: Path) -> Any:
 
 
 def _resolve_reference(reference: str, yaml_file: Path) -> str:
-    """Resolve each path of "path[@rev][+lora[@rev]]", keeping revisions and the joining syntax."""
-    return "+".join(
-        "@".join([_resolve_model_path(path, yaml_file), *revision])
-        for path, *revision in (part.split("@") for part in reference.split("+"))
-    )
+    """Resolve each path of "path[@rev][+lora[@rev]]" (read by mergekit's own ModelReference), keeping revisions."""
+    try:
+        parsed = ModelReference.parse(reference)
+    except (RuntimeError, ValidationError) as exc:
+        raise DartsError(f"{yaml_file}: {reference!r} is not a model reference: {exc}",
+                         "write PATH, PATH@REVISION or PATH+LORA_PATH") from None
+
+    def resolved(path: ModelPath | None) -> ModelPath | None:
+        return None if path is None else ModelPath(path=_resolve_model_path(path.path, yaml_file),
+                                                   revision=path.revision)
+
+    return str(ModelReference(model=resolved(parsed.model), lora=resolved(parsed.lora)))
 
 
 def _resolve_model_path(path: str, yaml_file: Path) -> str:

@@ -132,6 +132,37 @@ def test_yaml_paths_fall_back_to_the_working_directory(tiny_family, tmp_path, mo
     assert config["models"][0]["model"] == str(tiny_family.experts["code"])
 
 
+def test_revisions_and_lora_references_keep_their_parts_with_absolute_paths(tiny_family, tmp_path):
+    """mergekit's `path@revision+lora` references: each path resolved next to the YAML, the rest kept as it was."""
+    (tmp_path / "adapters" / "code-lora").mkdir(parents=True)
+    shutil.copytree(tiny_family.experts["code"], tmp_path / "code")
+    config_path = tmp_path / "merge.yml"
+    config_path.write_text(yaml.safe_dump({
+        "merge_method": "task_arithmetic",
+        "base_model": str(tiny_family.base),
+        "models": [{"model": "code@main+adapters/code-lora", "parameters": {"weight": 1.0}}],
+    }))
+    config = load_mergekit_yaml(config_path)
+    assert config["models"][0]["model"] == f"{tmp_path / 'code'}@main+{tmp_path / 'adapters' / 'code-lora'}"
+    config_path.write_text(config_path.read_text().replace("code@main+", "code@a@b+"))
+    with pytest.raises(DartsError, match="is not a model reference"):
+        load_mergekit_yaml(config_path)
+
+
+def test_a_bug_inside_the_merge_is_not_reported_as_bad_input(tiny_family, tmp_path, monkeypatch):
+    """Only the errors mergekit raises for inputs it cannot merge become `error:` / `fix:`; anything else is
+    a bug, and keeps its traceback."""
+    def broken(*args, **kwargs):
+        raise AttributeError("a bug, not a bad input")
+
+    monkeypatch.setattr("darts_dist.merge.mergekit_run_merge", broken)
+    config = build_mergekit_config(tiny_family.base, {"code": tiny_family.experts["code"]}, "task_arithmetic",
+                                   parameters={"weight": 0.5})
+    with pytest.raises(AttributeError, match="a bug"):
+        run_merge(config, tmp_path / "out" / "merged")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def test_yaml_with_a_missing_model_path_names_it(tiny_family, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config_path = tmp_path / "merge.yml"

@@ -205,3 +205,13 @@ def test_bundled_smollm2_is_converted_once():
     started = time.monotonic()
     bundled_model_dir()
     assert time.monotonic() - started < 0.1 < first
+
+
+def test_a_bug_while_loading_is_not_reported_as_corrupt_weights(tiny_family, monkeypatch) -> None:
+    """Unreadable weights are the user's to fix (error:/fix:); any other exception is a bug and keeps its traceback."""
+    def broken(*args, **kwargs):
+        raise TypeError("a bug, not a corrupt file")
+
+    monkeypatch.setattr("darts_dist.sources.models.AutoModelForCausalLM.from_pretrained", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        load_causal_lm(tiny_family.base)

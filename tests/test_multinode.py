@@ -3,6 +3,14 @@
 The head is labelled train_node and the second node expert_node; the config asks for the expert
 actors on expert_node and the calibration worker on train_node, and the job's report says where
 each ran. The cluster is stopped at the end even when a test fails.
+
+Its time limits are there to catch hangs, not slowness. Under load a job slows down far more than
+its share of the CPU: with three busy processes next to it on this machine's two cores, the
+calibration job took 465 s instead of 64 s, 443 s of them start-up (the dozen Ray processes it
+needs each starting and importing torch on overloaded cores; Ray Train's controller logging
+timeouts while waiting on its own helper actors), and then passed. The one failure seen under load
+was not kept; nothing in the job failed under load here, and what fits it is the test's own fixed
+limit of 900 s for the job. The limits now allow for a loaded machine.
 """
 
 from __future__ import annotations
@@ -43,11 +51,11 @@ def two_nodes():
     # Ray's socket paths must stay under 107 bytes: a short folder right under /tmp.
     folder = tempfile.mkdtemp(prefix="dd-", dir="/tmp")
     env = {**os.environ, "DARTS_LOCAL_CLUSTER_DIR": folder, "PORT": str(free_port()),
-           "DASHBOARD_PORT": str(free_port()), "HEAD_CPUS": "2", "WORKER_CPUS": "4"}
+           "DASHBOARD_PORT": str(free_port()), "HEAD_CPUS": "2", "WORKER_CPUS": "4", "JOB_SERVER_WAIT_S": "900"}
     env.pop("RAY_ADDRESS", None)
     try:
         started = subprocess.run(["bash", str(REPO / "cluster" / "local.sh"), "start"], env=env,
-                                 capture_output=True, text=True, timeout=300)
+                                 capture_output=True, text=True, timeout=1200)
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         yield SimpleNamespace(env=env, dashboard=f"http://127.0.0.1:{env['DASHBOARD_PORT']}")
     finally:
@@ -72,7 +80,7 @@ def submit(cluster: SimpleNamespace, *command: str) -> subprocess.CompletedProce
     return subprocess.run(
         ["ray", "job", "submit", "--address", cluster.dashboard, "--runtime-env", "jobs/runtime_env.yaml",
          "--", "python", "jobs/run.py", *command],
-        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=2400,
     )
 
 

@@ -18,8 +18,9 @@ Side = Literal["right", "left"]
 
 def pad_rows(rows: Sequence[Tensor | np.ndarray | Sequence[int]], value: float = 0, side: Side = "right") -> Tensor:
     """Rows [L_i, ...] padded with `value` into one [B, max L_i, ...] tensor, on the right or on the left."""
-    return pad_sequence([torch.as_tensor(row) for row in rows], batch_first=True, padding_value=value,
-                        padding_side=side)
+    # Arrays are copied: rows from Ray Data are read-only views into the object store.
+    tensors = [row if isinstance(row, Tensor) else torch.tensor(np.asarray(row)) for row in rows]
+    return pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=side)
 
 
 def token_batch(sequences: Sequence[Sequence[int]], pad_id: int, side: Side = "right") -> tuple[Tensor, Tensor]:
