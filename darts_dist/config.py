@@ -148,8 +148,9 @@ class ClusterSection(_Section):
     # How the training workers' placement group packs them (Ray's strategies); SPREAD and
     # STRICT_SPREAD also spread the expert actors over the nodes.
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    # How long a job waits for nodes with the resources above (an autoscaler may be adding them)
-    # before it fails with a message naming what is missing, rather than hanging.
+    # How long a job waits for Ray to reserve the resources above, free (a busy cluster's other work may
+    # release them) or added (an autoscaler may be adding nodes), before it fails with a message naming
+    # what is missing, rather than hanging.
     resource_wait_s: float = Field(default=120.0, gt=0)
     # The Ray Train run: the same run id resumes from its last checkpoint. Default: NAME plus a hash of
     # everything that decides the result, so an unchanged command resumes and a changed one starts afresh.

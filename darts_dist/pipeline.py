@@ -13,20 +13,21 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from darts_dist.calibrate.corrections import load_corrections_for
-from darts_dist.calibrate.in_process import CalibrationOutcome, calibrate_in_process
+from darts_dist.calibrate.in_process import CalibrationOutcome, calibrate_stage
 from darts_dist.calibrate.ray.job import calibrate_distributed
 from darts_dist.calibrate.ray.placement import placement_tags
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import RUN_CONFIG_FILE, RunConfig
 from darts_dist.core import ROUTER_FILE, TaskRouter, read_header
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.evaluator import Evaluator, headline_layer
+from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, headline_layer
 from darts_dist.evaluate.plots import plot_bias_by_position, plot_entropy_weights, plot_loss
 from darts_dist.fsutil import atomic_file
 from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
@@ -108,15 +109,18 @@ def evaluate_stage(
         router = None if router_path is None else TaskRouter.load(router_path)
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base))
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
-    sides = []
-    for index, task in enumerate(config.tasks):
-        # One expert at a time, let go before the next: peak memory is the merged model plus one expert.
-        expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-        side = evaluator.expert_side(index, expert)
-        del expert
-        gc.collect()
-        sides.append((side, evaluator.merged_side(merged, side)))
-    return evaluator.evaluate(merged, corrections, sides, router=router)
+
+    def sides() -> Iterator[tuple[ExpertSide, MergedSide]]:
+        # One task at a time, its expert let go before the next: peak memory is the merged model, one expert
+        # and one task's passes.
+        for index, task in enumerate(config.tasks):
+            expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
+            side = evaluator.expert_side(index, expert)
+            del expert
+            gc.collect()
+            yield side, evaluator.merged_side(merged, side)
+
+    return evaluator.evaluate(merged, corrections, sides(), router=router)
 
 
 def write_report(path: Path, report: dict[str, object]) -> Path:
@@ -176,7 +180,7 @@ def run_calibration(state: RunState) -> Path:
             resolve_device(config.calibration.device))
         run_id = tracking.start_stage("calibration", system_tags(config, device, executor=executor))
         on_step = tracking.step_logger(run_id)
-    calibrate = calibrate_distributed if executor == "ray" else calibrate_in_process
+    calibrate = calibrate_distributed if executor == "ray" else calibrate_stage
     outcome: CalibrationOutcome = calibrate(config, state.sources, state.merged_dir, on_step=on_step)
     losses = outcome.result.losses
     state.report["corrections"] = str(outcome.corrections_path)

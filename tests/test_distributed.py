@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from darts_dist.calibrate.corrections import corrections_metadata
-from darts_dist.calibrate.in_process import calibrate_in_process as calibrate_stage
+from darts_dist.calibrate.in_process import calibrate_stage
 from darts_dist.calibrate.ray.job import (
     FAIL_EXPERT_AFTER,
     FAIL_WORKER_AT_STEP,

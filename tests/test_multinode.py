@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from darts_dist.calibrate.in_process import calibrate_in_process
+from darts_dist.calibrate.in_process import calibrate_stage
 from darts_dist.config import load_config
 from darts_dist.core import load_corrections
 from darts_dist.options import apply_config_flags
@@ -106,7 +106,7 @@ def test_a_submitted_calibration_runs_where_the_config_says(two_nodes, tiny_fami
     # The same config in one process, on the job's own merge, trains the same corrections (which the one-node
     # Ray path does too: test_distributed), so where the job ran changed nothing.
     single = apply_config_flags(load_config(config), Namespace(output_dir=str(tmp_path / "single")))
-    theirs = calibrate_in_process(single, resolve_sources(single), Path(report["merged"])).result.corrections
+    theirs = calibrate_stage(single, resolve_sources(single), Path(report["merged"])).result.corrections
     ours, _ = load_corrections(tmp_path / "job" / "local-two-node" / "corrections.safetensors")
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
         torch.testing.assert_close(a, b, atol=SAME_CORRECTIONS_ATOL, rtol=0, msg=name)

@@ -45,6 +45,7 @@ def test_placement_tags_name_each_node_by_address_id_and_labels() -> None:
 
 def test_waiting_for_missing_resources_is_bounded_and_says_what_is_missing(ray_cluster) -> None:
     wait_for_resources(ClusterSection(expert_resources={"expert_node": 0.25}), num_experts=3)  # fits: returns
+    wait_for_resources(ClusterSection(expert_resources={"CPU": 0}), num_experts=3)  # experts that ask for nothing
     assert ray.util.placement_group_table() == {} or all(
         group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())  # nothing kept reserved
     started = time.monotonic()

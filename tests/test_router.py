@@ -46,6 +46,29 @@ def test_fit_separates_clear_clusters_and_routes_with_a_confidence() -> None:
     assert torch.equal(again.weight, router.weight) and torch.equal(again.bias, router.bias)
 
 
+def test_two_tasks_get_the_same_objective_as_more() -> None:
+    """scikit-learn keeps one weight row for two classes; the router's softmax over two rows, fit on mean
+    cross-entropy + l2/2·‖W‖² (computed here by full-batch L-BFGS), gives the same probabilities."""
+    features, labels = blobs(30, seed=3)
+    keep = labels < 2
+    features, labels = features[keep], labels[keep]
+    router = fit_router(features, labels, ("code", "math"), "final")
+    x = (features - features.mean(0)) / features.std(0, unbiased=False)
+    weight, bias = torch.zeros(2, 16, requires_grad=True), torch.zeros(2, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weight, bias], max_iter=500, line_search_fn="strong_wolfe",
+                                  tolerance_grad=1e-10, tolerance_change=1e-14)
+
+    def objective() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(x @ weight.T + bias, labels) + 0.5 * 1e-2 * weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(objective)
+    expected = torch.softmax(x @ weight.detach().T + bias.detach(), dim=-1)
+    torch.testing.assert_close(router.probabilities(features), expected, atol=1e-3, rtol=0)
+
+
 def test_a_task_without_examples_is_refused() -> None:
     features, labels = blobs(5, seed=0)
     with pytest.raises(DartsError, match=r"no routing examples for tasks \['extra'\]"):

@@ -317,6 +317,13 @@ def test_a_run_folder_or_model_folder_resolves_to_its_files(server, tmp_path: Pa
     source, run_config = resolve_model(str(registry.merged_dir), corrections=registry.corrections, name="mine")
     assert (source.name, source.files.corrections, source.files.router, run_config) == (
         "mine", registry.corrections, None, None)
+    # A run folder of darts-dist 0.1 (its config in its report, no config.yaml), corrections given apart.
+    old = tmp_path / "old-run"
+    shutil.copytree(run_dir / "merged", old / "merged")
+    (old / "report.json").write_text(json.dumps({"config": config.model_dump(mode="json")}))
+    source, run_config = resolve_model(str(old), corrections=registry.corrections)
+    assert (source.name, run_config.serve.port, source.files.corrections, source.files.router) == (
+        "darts-dist-local", 8123, registry.corrections, None)
     with pytest.raises(DartsError, match="neither a model folder"):
         resolve_model(str(tmp_path))
     with pytest.raises(DartsError, match="missing"):

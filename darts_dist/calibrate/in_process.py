@@ -52,7 +52,7 @@ def calibration_sets(config: RunConfig, sources: ResolvedSources, tokenizer) -> 
     return sets
 
 
-def calibrate_in_process(
+def calibrate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, on_step: StepCallback | None = None
 ) -> CalibrationOutcome:
     """Collect each expert's targets once, train the corrections in this process, save them in the run folder."""

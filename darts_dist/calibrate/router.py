@@ -26,9 +26,10 @@ def fit_router(
 ) -> TaskRouter:
     """Multinomial logistic regression, features [N, d] -> labels [N] (task indices), on standardised features.
 
-    The objective is the mean cross-entropy plus l2/2·‖W‖² (scikit-learn's C = 1/(l2·N)): the penalty keeps
-    the weights finite on separable data, so the confidence stays a probability and not a step function.
-    Deterministic (L-BFGS over the whole set).
+    The objective is the mean cross-entropy plus l2/2·‖W‖² over the K weight rows (scikit-learn's C = 1/(l2·N)):
+    the penalty keeps the weights finite on separable data, so the confidence stays a probability and not a
+    step function. Two tasks have one logit difference w = W₁ − W₀, and at the optimum W₁ = −W₀ = w/2, so the
+    same penalty is l2/4·‖w‖²: C = 2/(l2·N). Deterministic (L-BFGS over the whole set).
     """
     labels = torch.as_tensor(labels, dtype=torch.long)
     if features.ndim != 2 or features.shape[0] != labels.shape[0]:
@@ -40,7 +41,7 @@ def fit_router(
                          "give every task calibration prompts")
     x = features.double().cpu().numpy()
     scaler = StandardScaler().fit(x)  # a feature that never varies keeps scale 1 instead of blowing up
-    model = LogisticRegression(C=1.0 / (l2 * len(x)), max_iter=1000, tol=1e-8)
+    model = LogisticRegression(C=(2.0 if len(tasks) == 2 else 1.0) / (l2 * len(x)), max_iter=1000, tol=1e-8)
     model.fit(scaler.transform(x), labels.numpy())
     weight, bias = torch.from_numpy(model.coef_), torch.from_numpy(model.intercept_)
     if len(tasks) == 2:  # scikit-learn keeps one row for two classes: logit(task 1) − logit(task 0)

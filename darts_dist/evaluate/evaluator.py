@@ -9,7 +9,7 @@ adds only the corrected passes and the corrected (and routed) answers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -138,13 +138,16 @@ class Evaluator:
         self,
         merged: PreTrainedModel,
         corrections: DartsCorrections | None,
-        sides: Sequence[tuple[ExpertSide, MergedSide]],
+        sides: Iterable[tuple[ExpertSide, MergedSide]],
         split: str = "heldout",
         router: TaskRouter | None = None,
     ) -> dict[str, object]:
-        """{"overall", "tasks"} of the merged model under `corrections` (None: uncorrected) on the held-out or
-        validation split; held-out adds task scores, and with a router the routed model's (the task left to
-        the router, as for served requests to the routed model id)."""
+        """{"overall", "tasks"} of the merged model under `corrections` (None: the merged model is its own
+        'corrected' one) on the held-out or validation split; held-out adds task scores, and with a router the
+        routed model's (the task left to the router, as for served requests to the routed model id).
+
+        `sides` may be a generator: each task's passes are then held only while that task is judged.
+        """
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         tasks = {}

@@ -8,7 +8,7 @@ one batch, each under its own model id's task; sequences whose sampling settings
 generated one group after the other within the batch. Generation runs on one worker thread
 while the event loop streams each sequence's text as it becomes final.
 
-Model ids (`served.model_ids`): `NAME:<task>` applies that task's correction, `NAME` lets the router
+Model ids (`serve.model.model_ids`): `NAME:<task>` applies that task's correction, `NAME` lets the router
 choose (or apply none below its threshold), `NAME:merged` is the uncorrected merged model.
 """
 
@@ -402,11 +402,11 @@ def run_foreground(
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
-        say("stopping the server")
+        logger.info("stopping the server")
     finally:
         if joined:
             serve.delete(APP_NAME)
         else:
             serve.shutdown()
             ray.shutdown()
-    say("server stopped")
+    logger.info("server stopped")

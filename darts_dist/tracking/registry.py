@@ -269,12 +269,12 @@ class ModelFiles:
 
 def model_version(client: MlflowClient, uri: str) -> ModelVersion:
     """The registered version a `models:/` URI names: models:/NAME@ALIAS, models:/NAME/VERSION, or the latest
-    (models:/NAME/latest), as MLflow itself reads them."""
+    (models:/NAME/latest), as MLflow itself reads them (its parser is internal: mlflow is pinned)."""
     try:
         named = get_model_name_and_version(client, uri)
-        if len(named) != 2:  # models:/m-...: a logged model, which no registry version holds
-            raise DartsError(f"{uri!r} names a logged model, not a registered version",
-                             "write models:/NAME@ALIAS or models:/NAME/VERSION")
+        if len(named) != 2:  # MLflow reads models:/X as the logged model X, which no registry version holds
+            raise DartsError(f"{uri!r} names a logged model (or a registered one without a version or alias)",
+                             "write models:/NAME@ALIAS, models:/NAME/VERSION or models:/NAME/latest")
         return client.get_model_version(*named)
     except MlflowException as error:
         raise DartsError(f"{uri} is not in the registry at {client.tracking_uri}: {error.message}",

@@ -134,7 +134,7 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 class StepLogger:
-    """Per-step metrics of one run, sent in batches; a callable for `calibrate_in_process(on_step=...)`.
+    """Per-step metrics of one run, sent in batches; a calibration loop's `on_step`.
 
     Built from two strings so a Ray Train worker can rebuild it; call `flush` after the last step.
     A store that stops answering never stops the training: the metrics stay pending (up to

@@ -89,7 +89,7 @@ class JobResult:
     checkpoint_path: str
     object_store_peak_bytes: int  # the most the object store held above its use when the job began
     peak_gpu_memory_bytes: int | None  # the most a worker's GPU held (max over workers); None on CPUs
-    # Node ids: "workers" by rank, "experts" by task (calibration_worker.placement); "nodes": id ->
+    # Node ids: "workers" by rank, "experts" by task (calibrate.ray.worker.placement); "nodes": id ->
     # address and resources.
     placement: dict[str, object]
 

@@ -58,25 +58,32 @@ def alive_nodes() -> list[dict]:
     return [node for node in ray.nodes() if node["Alive"]]
 
 
-def _reservable(bundle: Bundle) -> Bundle:
-    return {name: amount for name, amount in bundle.items() if amount}  # placement groups refuse zero amounts
+def _reservable(bundles: Sequence[Bundle]) -> list[Bundle]:
+    """The bundles as a placement group takes them: no zero amounts, and no bundle of nothing (an actor that
+    asks for no resources fits anywhere)."""
+    return [kept for bundle in bundles if (kept := {name: amount for name, amount in bundle.items() if amount})]
 
 
 def wait_for_resources(cluster: ClusterSection, num_experts: int) -> None:
-    """Return once Ray can place every expert actor and training worker at the same time; after
-    `cluster.resource_wait_s` seconds without, fail naming what is missing (the job itself would wait forever).
+    """Return once Ray can reserve every expert actor's and training worker's resources at the same time;
+    after `cluster.resource_wait_s` seconds without, fail naming what is missing (the job itself would wait
+    forever). Resources count when they are free, or once an autoscaler has added them: on a cluster busy
+    with other work, the job waits that long for them, then fails.
 
     Ray's own scheduler decides, with the job's own constraints: one placement group for the training
     workers with `cluster.placement_strategy` (STRICT_SPREAD: a node each), one for the expert actors
     (spread over the nodes when the config spreads), reserved together and released at once.
     """
     spread = cluster.placement_strategy in ("SPREAD", "STRICT_SPREAD")
-    groups = {
-        "expert actors": placement_group([_reservable(expert_bundle(cluster))] * num_experts,
-                                         strategy="SPREAD" if spread else "PACK"),
-        "training workers": placement_group([_reservable(worker_bundle(cluster))] * cluster.num_workers,
-                                            strategy=cluster.placement_strategy),
+    wanted = {
+        "expert actors": (_reservable([expert_bundle(cluster)] * num_experts), "SPREAD" if spread else "PACK"),
+        "training workers": (_reservable([worker_bundle(cluster)] * cluster.num_workers),
+                             cluster.placement_strategy),
     }
+    groups = {name: placement_group(bundles, strategy=strategy)
+              for name, (bundles, strategy) in wanted.items() if bundles}
+    if not groups:
+        return
     try:
         signals = {name: group.ready() for name, group in groups.items()}
         ready, _ = ray.wait(list(signals.values()), num_returns=len(signals), timeout=cluster.resource_wait_s)
@@ -87,13 +94,13 @@ def wait_for_resources(cluster: ClusterSection, num_experts: int) -> None:
     missing = [name for name in groups if name not in placed]
     if not missing:
         return
-    wanted = {"expert actors": f"{num_experts} × ({_labels(expert_bundle(cluster))})",
-              "training workers": f"{cluster.num_workers} × ({_labels(worker_bundle(cluster))}) "
-                                  f"({cluster.placement_strategy})"}
+    asked = {"expert actors": f"{num_experts} × ({_labels(expert_bundle(cluster))})",
+             "training workers": f"{cluster.num_workers} × ({_labels(worker_bundle(cluster))}) "
+                                 f"({cluster.placement_strategy})"}
     have = "; ".join(_labels(node["Resources"]) for node in alive_nodes()) or "no nodes"
     raise DartsError(
         f"the Ray cluster has no room for the job's {' and '.join(missing)} after waiting "
-        f"{cluster.resource_wait_s:g} s: wanted {'; '.join(wanted[name] for name in missing)}; its nodes have: {have}",
+        f"{cluster.resource_wait_s:g} s: wanted {'; '.join(asked[name] for name in missing)}; its nodes have: {have}",
         "add nodes with those resources (`ray start --resources '{\"NAME\": N}'`, or the cluster YAML's "
         "node types), or change cluster.expert_resources / worker_resources / num_workers / use_gpu / "
         "placement_strategy; cluster.resource_wait_s sets how long to wait for an autoscaler",
