@@ -59,6 +59,9 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
     for plot in report["plots"].values():
         assert Path(plot).read_bytes().startswith(b"\x89PNG")
     assert str(report_path) in result.stdout  # says where it wrote
+    # stdout is the results; darts-dist's messages are log lines on stderr, the Ray workers' included.
+    assert "mlflow: run" in result.stderr and "darts_dist.calibrate.ray.worker: calibrate: step" in result.stderr
+    assert "mlflow: run" not in result.stdout and "calibrate: " not in result.stdout
     # The run folder is complete without its report (written elsewhere here): it serves as it is.
     source, run_config = resolve_model(str(run_dir))
     assert (source.files.merged_dir, source.files.corrections, source.files.router) == (
