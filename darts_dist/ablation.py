@@ -179,13 +179,13 @@ class MergeSides:
     pairs: list[tuple[ExpertSide, MergedSide]]
 
 
-def task_side(index: int, ctx: Context, tune: bool) -> TaskSide:
-    """Load task `index`'s expert, run it over every set once, and let it go."""
+def task_side(index: int, ctx: Context, tune: bool, base: PreTrainedModel | None) -> TaskSide:
+    """Load task `index`'s expert, run it over every set once, and let it go (with the base: its score too)."""
     task, settings = ctx.config.tasks[index], ctx.config.calibration
     expert = load_causal_lm(ctx.sources.experts[task], dtype=ctx.dtype, device=ctx.device)
     data = tokenized(ctx.sources.data[task], task, "calibration", settings, ctx.evaluator.tokenizer)
     features = collect_features(task, index, data, expert, None, settings.layers, settings.batch_size, ctx.progress)
-    side = TaskSide(calibration=data, features=features, expert=ctx.evaluator.expert_side(index, expert, tune))
+    side = TaskSide(calibration=data, features=features, expert=ctx.evaluator.expert_side(index, expert, tune, base))
     logger.info("expert %s: features, held-out outputs and task score done", task)
     del expert
     gc.collect()
@@ -254,7 +254,9 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     sources = resolve_sources(config)
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), progress)
     ctx = Context(config, sources, evaluator, device, model_dtype(settings.dtype, device), progress)
-    experts = [task_side(index, ctx, tune=plan.trials > 0) for index in range(len(config.tasks))]
+    base = load_causal_lm(sources.base, dtype=ctx.dtype, device=device) if evaluator.scores_base else None
+    experts = [task_side(index, ctx, plan.trials > 0, base) for index in range(len(config.tasks))]
+    del base
     methods: dict[str, dict[str, object]] = {}
     variants, trials, router_report = plan.variants, None, None
     for method in plan.merge_methods:

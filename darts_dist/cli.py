@@ -191,8 +191,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
         evaluation = run_evaluation(state, Path(state.report["corrections"]))
         print_tables(evaluation_tables(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation))
         console.print(f"plots: {config.run_dir / 'plots'}")
-        register_calibration(state)
+        with state.timed("registration"):
+            register_calibration(state)
         _print_registration(state)
+        seconds = state.report["seconds"]
+        console.print("time per stage: " + ", ".join(f"{stage} {value:.0f} s" for stage, value in seconds.items())
+                      + f"; total {sum(seconds.values()):.0f} s")
         _finish(state.report, args.report, config.run_dir / "report.json", tracking)
 
 
@@ -210,6 +214,18 @@ def _ablate(config: RunConfig, args: argparse.Namespace) -> None:
         report = run_ablation(plan, tracking)
         print_tables([(f"{config.name}: {title}", headers, rows) for title, headers, rows in ablation_tables(report)])
         _finish(report, args.report, config.run_dir / "ablation.json", tracking)
+
+
+def cmd_merge_sweep(args: argparse.Namespace) -> None:
+    from darts_dist.merge_sweep import DEFAULT_CANDIDATES, MergeCandidate, sweep_merges, sweep_table
+
+    config = command_config(args.config, args)
+    candidates = [MergeCandidate.parse(text) for text in args.candidates] if args.candidates else DEFAULT_CANDIDATES
+    with _session(config.tracking, config.name, "merge-sweep") as tracking:
+        report = sweep_merges(config, candidates, tracking)
+        print_tables([sweep_table(report)])
+        console.print(f"best on validation: {report['best']}  (merge.method / merge.parameters for the config)")
+        _finish(report, args.report, config.run_dir / "merge_sweep.json", tracking)
 
 
 def cmd_register(args: argparse.Namespace) -> None:
@@ -363,12 +379,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of the calibration data held back for tuning (default: the config's, else 0.2)")
         p.add_argument("--select", default="nll_gap_closed",
                        help="validation metric tuning maximises (default nll_gap_closed)")
+    sweep = command("merge-sweep", "score candidate merges on the validation split and name the best", cmd_merge_sweep)
+    sweep.add_argument("config", type=Path)
+    sweep.add_argument("--candidates", nargs="+", default=None, metavar="METHOD[:K=V,...]",
+                       help="merges to try, e.g. task_arithmetic:weight=0.5 ties:weight=1,density=0.5 "
+                       "(default: task arithmetic at 0.3, 0.5, 0.7, 1.0 and TIES at density 0.5)")
     add_config_flags(demo, "--steps")
-    for p in (demo, calibrate, evaluate, ablate):
+    for p in (demo, calibrate, evaluate, ablate, sweep):
         add_config_flags(p, "--score-limit", "--output-dir")
     for p in (demo, calibrate):
         add_config_flags(p, "--address", "--in-process")
-    for p in (demo, merge, calibrate, evaluate, register, ablate):
+    for p in (demo, merge, calibrate, evaluate, register, ablate, sweep):
         p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
     return parser
 

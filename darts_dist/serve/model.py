@@ -3,25 +3,15 @@ model ids it answers to, and the serving settings, all settled on the driver bef
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from darts_dist.config import (
-    CORRECTIONS_FILE,
-    MERGED_FOLDER,
-    RUN_CONFIG_FILE,
-    RunConfig,
-    ServeSection,
-    TrackingSection,
-    load_config,
-    parse_config,
-    updated,
-)
-from darts_dist.core import ROUTED, ROUTER_FILE
+from darts_dist.config import RunConfig, ServeSection, TrackingSection, load_config, updated
+from darts_dist.core import ROUTED
 from darts_dist.errors import DartsError
+from darts_dist.run_folder import read_run_folder
 from darts_dist.tracking.registry import (
     ModelFiles,
     fetch_model,
@@ -58,44 +48,6 @@ def model_ids(name: str, tasks: Sequence[str], routed: bool) -> dict[str, str | 
     return ids
 
 
-# Where a run folder of darts-dist 0.1 kept its config (newer ones write config.yaml).
-_REPORTS_OF_01 = ("report.json", "calibration.json")
-
-
-def _run_config(folder: Path) -> RunConfig | None:
-    """The config a run folder was made with, or None for a folder that holds none."""
-    if (folder / RUN_CONFIG_FILE).is_file():
-        return load_config(folder / RUN_CONFIG_FILE)
-    for report in (folder / name for name in _REPORTS_OF_01):
-        if report.is_file():
-            return parse_config(json.loads(report.read_text())["config"], origin=f"{report}'s config")
-    return None
-
-
-def _run_folder_files(
-    folder: Path, name: str | None, corrections: Path | None, router: Path | None
-) -> tuple[ModelFiles, RunConfig | None]:
-    """A run folder's merged model, corrections and router, found by what the run wrote into it: `merged/` (or
-    the config's merge.output), corrections.safetensors and router.safetensors unless given, and its config."""
-    config = _run_config(folder)
-    merged = folder / MERGED_FOLDER
-    if not merged.is_dir() and config is not None and config.merge.output is not None:
-        merged = config.merge.output
-    if not (merged / "config.json").is_file():
-        raise DartsError(f"{folder} is neither a model folder (config.json) nor a run folder ({MERGED_FOLDER}/ "
-                         f"with {CORRECTIONS_FILE})",
-                         "pass models:/NAME@ALIAS, the folder a `calibrate` or `demo` run wrote, or a merged model "
-                         "folder with --corrections")
-    written = {key: folder / file for key, file in (("corrections", CORRECTIONS_FILE), ("router", ROUTER_FILE))}
-    default = registered_model_name(config) if config is not None else folder.name
-    files = ModelFiles(
-        name=name or default, merged_dir=merged, config=config,
-        corrections=corrections or (written["corrections"] if written["corrections"].is_file() else None),
-        router=router or (written["router"] if written["router"].is_file() else None),
-    )
-    return files, config
-
-
 def resolve_model(
     model: str,
     tracking: str | None = None,
@@ -128,7 +80,10 @@ def resolve_model(
     if (folder / "config.json").is_file():
         files, config = ModelFiles(name or folder.name, folder, corrections, router, None), None
     else:
-        files, config = _run_folder_files(folder, name, corrections, router)
+        run = read_run_folder(folder, corrections, router)
+        config = run.config
+        files = ModelFiles(name or (registered_model_name(config) if config is not None else folder.name),
+                           run.merged_dir, run.corrections, run.router, config)
     missing = [str(p) for p in (files.merged_dir, files.corrections, files.router) if p is not None and not p.exists()]
     if missing:
         raise DartsError(f"files of the model to serve are missing: {missing}", "check the paths, or calibrate again")

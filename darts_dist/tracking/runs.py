@@ -353,6 +353,8 @@ def evaluation_metrics(evaluation: Mapping[str, Any]) -> dict[str, float]:
         for key, value in values.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "tokens":
                 metrics[f"eval.{scope}.{key}"] = float(value)
+            elif key.endswith("_ci") and value is not None:  # a score's interval: its two ends
+                metrics |= {f"eval.{scope}.{key}.{end}": float(v) for end, v in zip(("low", "high"), value)}
     return metrics
 
 

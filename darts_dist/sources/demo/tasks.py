@@ -1,7 +1,7 @@
 """The three demo tasks (code, math, instruct), made here from nothing that needs a download.
 
-- code: functions and methods cut out of the standard library's own sources, plain text;
-- math: GSM8K-style word problems from templates, with worked solutions ending `#### N`;
+- code: function-from-specification problems with their own unit tests (pass@1 in the sandbox);
+- math: one- and two-step word problems with worked solutions ending `#### N` (GSM8K's format);
 - instruct: verifiable instructions (reverse, sort, count, case, JSON, ...) with exact answers.
 
 Each task gets a calibration and a held-out split, disjoint by text, written once per
@@ -10,52 +10,29 @@ settings and reused afterwards.
 
 from __future__ import annotations
 
-import ast
-import functools
 import json
-import operator
 import random
-import sys
-import sysconfig
-import textwrap
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir
 
 DEMO_TASKS = ("code", "math", "instruct")
 # How each demo task's held-out answers are checked: a name in evaluate.task_scores.SCORERS.
-DEMO_SCORERS = {"code": "humaneval", "math": "math_exact", "instruct": "instruct_exact"}
+DEMO_SCORERS = {"code": "code_tests", "math": "math_exact", "instruct": "instruct_exact"}
 
 # Bump when a generator changes, so files written by an older version are not reused.
-_GENERATOR_VERSION = 1
+_GENERATOR_VERSION = 2
 _MARKER = "meta.json"
-
-# A fixed, sorted list so the code task is the same on every machine with the same Python.
-# Modules missing from a given Python version are skipped.
-_CODE_MODULES = (
-    "argparse", "ast", "base64", "bisect", "calendar", "collections/__init__", "colorsys",
-    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "difflib",
-    "dis", "email/utils", "enum", "filecmp", "fileinput", "fnmatch", "fractions", "ftplib",
-    "functools", "getopt", "gettext", "glob", "gzip", "heapq", "hmac", "html/parser",
-    "http/cookies", "imaplib", "inspect", "ipaddress", "json/decoder", "json/encoder",
-    "locale", "logging/__init__", "mailbox", "mimetypes", "netrc", "ntpath", "numbers",
-    "operator", "optparse", "pathlib", "pickle", "pkgutil", "platform", "plistlib",
-    "posixpath", "pprint", "queue", "quopri", "random", "sched", "secrets", "selectors",
-    "shlex", "shutil", "smtplib", "socket", "statistics", "string", "subprocess",
-    "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "trace",
-    "traceback", "typing", "urllib/parse", "uuid", "warnings", "wave", "weakref",
-    "zipfile",
-)
-_CODE_MIN_LINES, _CODE_MAX_LINES = 6, 60
-
 
 DEMO_SPLITS = ("train", "calibration", "heldout")
 
 
 def make_demo_data(
-    out_dir: Path, n_train: int = 256, n_calibration: int = 160, n_heldout: int = 64, seed: int = 0
+    out_dir: Path, n_train: int = 512, n_calibration: int = 256, n_heldout: int = 200, seed: int = 0
 ) -> dict[str, dict[str, Path]]:
     """Write `out_dir/<task>/{train,calibration,heldout}.jsonl` for every demo task; return their paths.
 
@@ -78,8 +55,6 @@ def make_demo_data(
             "sizes": sizes,
             "seed": seed,
             "version": _GENERATOR_VERSION,
-            # The code task reads this interpreter's stdlib, which differs between versions.
-            "python": f"{sys.version_info.major}.{sys.version_info.minor}" if task == "code" else None,
         }
         task_dir = out_dir / task
         files = {split: task_dir / f"{split}.jsonl" for split in DEMO_SPLITS}
@@ -127,47 +102,110 @@ def _unique(rng: random.Random, make: Callable[[random.Random], tuple[str, dict]
 
 
 # --- code ---------------------------------------------------------------------------------
+# Function-from-specification problems: a one-line spec, a one-line reference solution and
+# unit tests computed from a reference implementation. Each family draws its function name,
+# argument name and constant, so held-out problems are new instances of what the expert saw.
+
+
+@dataclass(frozen=True)
+class _CodeFamily:
+    names: tuple[str, ...]
+    kind: Literal["numbers", "text", "words"]  # what the argument is
+    spec: str  # {arg}, {k}, {c} filled in
+    body: str  # the solution's return expression, same fields
+    reference: Callable[..., object]  # (value, k, c) -> the expected result
+
+
+_NUMBER_ARGS, _TEXT_ARGS, _WORD_ARGS = ("xs", "nums", "values", "items"), ("s", "text", "word"), ("words", "names")
+_CODE_FAMILIES = (
+    _CodeFamily(("sum_above", "total_above", "add_big", "big_sum"), "numbers",
+                "returns the sum of the numbers in the list `{arg}` that are greater than {k}",
+                "sum(x for x in {arg} if x > {k})", lambda v, k, c: sum(x for x in v if x > k)),
+    _CodeFamily(("count_above", "how_many_above", "count_greater", "num_above"), "numbers",
+                "returns how many numbers in the list `{arg}` are greater than {k}",
+                "sum(1 for x in {arg} if x > {k})", lambda v, k, c: sum(1 for x in v if x > k)),
+    _CodeFamily(("scale", "times_k", "multiply_all", "scaled"), "numbers",
+                "returns a new list with every number of `{arg}` multiplied by {k}",
+                "[x * {k} for x in {arg}]", lambda v, k, c: [x * k for x in v]),
+    _CodeFamily(("shift", "add_to_all", "plus_k", "shifted"), "numbers",
+                "returns a new list with {k} added to every number of `{arg}`",
+                "[x + {k} for x in {arg}]", lambda v, k, c: [x + k for x in v]),
+    _CodeFamily(("keep_below", "below_k", "small_ones", "under"), "numbers",
+                "returns the numbers of `{arg}` that are less than {k}, in order",
+                "[x for x in {arg} if x < {k}]", lambda v, k, c: [x for x in v if x < k]),
+    _CodeFamily(("sum_multiples", "multiples_total", "add_multiples", "divisible_sum"), "numbers",
+                "returns the sum of the numbers in `{arg}` that are divisible by {k}",
+                "sum(x for x in {arg} if x % {k} == 0)", lambda v, k, c: sum(x for x in v if x % k == 0)),
+    _CodeFamily(("powers", "raise_all", "to_power", "power_list"), "numbers",
+                "returns a new list with every number of `{arg}` raised to the power {k}",
+                "[x ** {k} for x in {arg}]", lambda v, k, c: [x**k for x in v]),
+    _CodeFamily(("largest", "max_item", "biggest", "top_value"), "numbers",
+                "returns the largest number in the list `{arg}`, or {k} when the list is empty",
+                "max({arg}, default={k})", lambda v, k, c: max(v, default=k)),
+    _CodeFamily(("last_k", "tail_items", "take_last", "ending"), "numbers",
+                "returns the last {k} items of the list `{arg}`",
+                "{arg}[-{k}:]", lambda v, k, c: v[-k:]),
+    _CodeFamily(("first_k", "head_items", "take_first", "opening"), "numbers",
+                "returns the first {k} items of the list `{arg}`",
+                "{arg}[:{k}]", lambda v, k, c: v[:k]),
+    _CodeFamily(("count_letter", "letter_count", "occurrences", "tally"), "text",
+                "returns how many times the letter '{c}' occurs in the string `{arg}`",
+                "{arg}.count('{c}')", lambda v, k, c: v.count(c)),
+    _CodeFamily(("repeat_text", "echo", "times_text", "repeated"), "text",
+                "returns the string `{arg}` repeated {k} times",
+                "{arg} * {k}", lambda v, k, c: v * k),
+    _CodeFamily(("drop_letter", "remove_letter", "strip_letter", "without"), "text",
+                "returns the string `{arg}` with every letter '{c}' removed",
+                "{arg}.replace('{c}', '')", lambda v, k, c: v.replace(c, "")),
+    _CodeFamily(("starting_with", "words_from", "pick_words", "initial"), "words",
+                "returns the strings of the list `{arg}` that start with the letter '{c}', in order",
+                "[w for w in {arg} if w.startswith('{c}')]", lambda v, k, c: [w for w in v if w.startswith(c)]),
+    _CodeFamily(("of_length", "exact_length", "sized", "pick_length"), "words",
+                "returns the strings of the list `{arg}` that have exactly {k} characters, in order",
+                "[w for w in {arg} if len(w) == {k}]", lambda v, k, c: [w for w in v if len(w) == k]),
+    _CodeFamily(("longer_than", "long_words", "keep_long", "lengthy"), "words",
+                "returns the strings of the list `{arg}` that are longer than {k} characters, in order",
+                "[w for w in {arg} if len(w) > {k}]", lambda v, k, c: [w for w in v if len(w) > k]),
+)
+CODE_INSTRUCTION = "Reply with the code only."
+_CODE_LETTERS = "abcdeilnorst"
+
+
+def _code_input(rng: random.Random, kind: str) -> object:
+    if kind == "numbers":
+        return [rng.randint(-20, 60) for _ in range(rng.randint(1, 8))]
+    if kind == "text":
+        return "".join(rng.choice(_CODE_LETTERS) for _ in range(rng.randint(0, 12)))
+    return rng.sample(_WORDS, rng.randint(0, 6))
+
+
+def _code_row(rng: random.Random) -> tuple[str, dict]:
+    family = rng.choice(_CODE_FAMILIES)
+    name = rng.choice(family.names)
+    arg = rng.choice({"numbers": _NUMBER_ARGS, "text": _TEXT_ARGS, "words": _WORD_ARGS}[family.kind])
+    # The letter from the inputs' own alphabet (and the words' initials), so tests are not all zeros.
+    k, c = rng.randint(2, 9), rng.choice(_CODE_LETTERS)
+    fields = {"arg": arg, "k": k, "c": c}
+    prompt = f"Write a Python function `{name}({arg})` that {family.spec.format(**fields)}. {CODE_INSTRUCTION}"
+    solution = f"def {name}({arg}):\n    return {family.body.format(**fields)}\n"
+    inputs = [_code_input(rng, family.kind) for _ in range(4)]
+    tests = "".join(f"assert {name}({v!r}) == {family.reference(v, k, c)!r}\n" for v in inputs)
+    row = {
+        "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": solution}],
+        "answer": solution,
+        "tests": tests,
+        "entry_point": name,
+    }
+    return prompt, row
 
 
 def _code_rows(rng: random.Random, n: int) -> list[dict]:
-    snippets = sorted(set(_stdlib_functions()))
-    if len(snippets) < n:
-        raise DartsError(
-            f"the standard library gave {len(snippets)} usable functions, {n} were asked for",
-            fix="ask for fewer demo samples (n_train + n_calibration + n_heldout)",
-        )
-    rng.shuffle(snippets)
-    return [{"text": s} for s in snippets[:n]]
-
-
-@functools.lru_cache(maxsize=1)
-def _stdlib_functions() -> tuple[str, ...]:
-    """Top-level functions and methods of top-level classes, dedented, decorators included.
-
-    Cached per process: parsing ~80 modules takes about a second and its result only
-    depends on the interpreter.
-    """
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    found = []
-    for module in _CODE_MODULES:
-        path = stdlib / f"{module}.py"
-        if not path.is_file():
-            continue
-        source = path.read_text(encoding="utf-8")
-        lines = source.splitlines()
-        tree = ast.parse(source)
-        nodes = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-            nodes += [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        for node in nodes:
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            text = textwrap.dedent("\n".join(lines[start - 1 : node.end_lineno])) + "\n"
-            if _CODE_MIN_LINES <= text.count("\n") <= _CODE_MAX_LINES:
-                found.append(text)
-    return tuple(found)
+    return _unique(rng, _code_row, n, "code")
 
 
 # --- math ---------------------------------------------------------------------------------
+# One- and two-step word problems with small numbers, solved in GSM8K's answer format: the
+# calculation, then `#### N`.
 
 _PEOPLE = (
     ("Ava", "she"), ("Ben", "he"), ("Chloe", "she"), ("Diego", "he"), ("Emma", "she"),
@@ -176,131 +214,50 @@ _PEOPLE = (
     ("Pedro", "he"), ("Quinn", "she"), ("Ravi", "he"), ("Sofia", "she"), ("Tom", "he"),
     ("Uma", "she"), ("Victor", "he"), ("Wen", "she"), ("Yusuf", "he"), ("Zara", "she"),
 )
+_THINGS = ("apples", "pens", "stickers", "marbles", "cookies", "cards", "shells", "books", "coins", "flowers")
 
 
-def _step(text: str, expr: str) -> tuple[str, int]:
-    """One solution line in GSM8K's style: `... 3*4 = <<3*4=12>>12 ...`, and its value."""
-    value = _eval_int(expr)
-    return text.format(calc=f"{expr} = <<{expr}={value}>>{value}"), value
-
-
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-
-
-def _eval_int(expr: str) -> int:
-    """Evaluate + - * / on integers; the templates choose numbers that divide exactly."""
-
-    def walk(node: ast.expr) -> float:
-        if isinstance(node, ast.Constant):
-            return node.value
-        return _OPERATORS[type(node.op)](walk(node.left), walk(node.right))
-
-    value = walk(ast.parse(expr, mode="eval").body)
-    if not float(value).is_integer():
-        raise ValueError(f"demo math step {expr} = {value} is not an integer")
-    return int(value)
-
-
-def _two_people(rng: random.Random) -> list[tuple[str, str]]:
-    """Two different (name, pronoun) pairs."""
-    return rng.sample(_PEOPLE, 2)
-
-
-def _math_shopping(rng: random.Random) -> tuple[str, list[str], int]:
-    (name, pron), _ = _two_people(rng)
-    item_a, item_b = rng.sample(("notebooks", "pens", "apples", "stickers", "candles", "mugs", "socks"), 2)
-    a, b = rng.randint(2, 9), rng.randint(2, 9)
-    pa, pb = rng.randint(2, 15), rng.randint(1, 12)
-    cost_a, cost_b = a * pa, b * pb
-    bill = (cost_a + cost_b) // 20 * 20 + rng.choice((20, 40, 100))
-    problem = (
-        f"{name} buys {a} {item_a} at ${pa} each and {b} {item_b} at ${pb} each. "
-        f"{pron.capitalize()} pays with ${bill}. How much change does {pron} get back?"
-    )
-    s1, v1 = _step(f"The {item_a} cost {{calc}} dollars.", f"{a}*{pa}")
-    s2, v2 = _step(f"The {item_b} cost {{calc}} dollars.", f"{b}*{pb}")
-    s3, v3 = _step("Altogether that is {calc} dollars.", f"{v1}+{v2}")
-    s4, v4 = _step(f"So {name} gets {{calc}} dollars back.", f"{bill}-{v3}")
-    return problem, [s1, s2, s3, s4], v4
-
-
-def _math_rate(rng: random.Random) -> tuple[str, list[str], int]:
-    (name, pron), _ = _two_people(rng)
-    rate, hours, minutes = rng.randint(12, 90), rng.randint(1, 5), rng.choice((10, 15, 20, 30, 40, 45))
-    problem = (
-        f"{name} types {rate} words per minute. How many words does {pron} type "
-        f"in {hours} hours and {minutes} minutes?"
-    )
-    s1, v1 = _step("There are {calc} minutes in the full hours.", f"{hours}*60")
-    s2, v2 = _step("Adding the extra minutes gives {calc} minutes.", f"{v1}+{minutes}")
-    s3, v3 = _step(f"So {name} types {{calc}} words.", f"{v2}*{rate}")
-    return problem, [s1, s2, s3], v3
-
-
-def _math_ages(rng: random.Random) -> tuple[str, list[str], int]:
-    (older, _), (younger, _) = _two_people(rng)
-    times, age, years = rng.randint(2, 5), rng.randint(3, 15), rng.randint(2, 12)
-    problem = (
-        f"{older} is {times} times as old as {younger}. {younger} is {age} years old. "
-        f"What will be the sum of their ages in {years} years?"
-    )
-    s1, v1 = _step(f"{older} is {{calc}} years old now.", f"{times}*{age}")
-    s2, v2 = _step(f"In {years} years {older} will be {{calc}}.", f"{v1}+{years}")
-    s3, v3 = _step(f"In {years} years {younger} will be {{calc}}.", f"{age}+{years}")
-    s4, v4 = _step("The sum of their ages will be {calc}.", f"{v2}+{v3}")
-    return problem, [s1, s2, s3, s4], v4
-
-
-def _math_sharing(rng: random.Random) -> tuple[str, list[str], int]:
-    (name, pron), (friend, _) = _two_people(rng)
-    thing = rng.choice(("stickers", "marbles", "cookies", "cards", "shells"))
-    denominator, cousins, m = rng.randint(2, 5), rng.randint(2, 6), rng.randint(1, 6)
-    # total = d * k * m makes both the fraction and the equal split exact.
-    total = denominator * cousins * m
-    word = {2: "half", 3: "a third", 4: "a quarter", 5: "a fifth"}[denominator]
-    problem = (
-        f"{name} has {total} {thing}. {pron.capitalize()} gives {word} of them to {friend} "
-        f"and shares the rest equally among {cousins} cousins. How many {thing} does each cousin get?"
-    )
-    s1, v1 = _step(f"{name} gives {friend} {{calc}} {thing}.", f"{total}/{denominator}")
-    s2, v2 = _step(f"That leaves {{calc}} {thing}.", f"{total}-{v1}")
-    s3, v3 = _step(f"Each cousin gets {{calc}} {thing}.", f"{v2}/{cousins}")
-    return problem, [s1, s2, s3], v3
-
-
-def _math_bakery(rng: random.Random) -> tuple[str, list[str], int]:
-    trays, per_tray, days = rng.randint(2, 9), rng.choice((6, 8, 10, 12, 15, 18, 20, 24)), rng.randint(2, 7)
-    box = rng.choice([b for b in (2, 3, 4, 5, 6, 8, 10, 12) if (trays * per_tray * days) % b == 0])
-    problem = (
-        f"A bakery bakes {trays} trays of muffins each day with {per_tray} muffins on each tray. "
-        f"It packs the muffins in boxes of {box}. How many boxes does it fill in {days} days?"
-    )
-    s1, v1 = _step("Each day the bakery bakes {calc} muffins.", f"{trays}*{per_tray}")
-    s2, v2 = _step(f"In {days} days it bakes {{calc}} muffins.", f"{v1}*{days}")
-    s3, v3 = _step("That fills {calc} boxes.", f"{v2}/{box}")
-    return problem, [s1, s2, s3], v3
-
-
-def _math_percent(rng: random.Random) -> tuple[str, list[str], int]:
-    (name, _), _ = _two_people(rng)
-    percent = rng.choice((10, 20, 25, 30, 40, 50, 60, 75))
-    stock = rng.randint(2, 12) * 20
-    later = rng.randint(1, stock - stock * percent // 100 - 1)
-    problem = (
-        f"{name}'s shop has {stock} shirts. On Monday {percent}% of them are sold, and on "
-        f"Tuesday {later} more are sold. How many shirts are left?"
-    )
-    s1, v1 = _step("On Monday {calc} shirts are sold.", f"{stock}*{percent}/100")
-    s2, v2 = _step("After Monday {calc} shirts are left.", f"{stock}-{v1}")
-    s3, v3 = _step("After Tuesday {calc} shirts are left.", f"{v2}-{later}")
-    return problem, [s1, s2, s3], v3
-
-
-_MATH_TEMPLATES = (_math_shopping, _math_rate, _math_ages, _math_sharing, _math_bakery, _math_percent)
+def _math_problem(rng: random.Random) -> tuple[str, list[str], int]:
+    """(problem, calculation lines, answer) from one of seven templates."""
+    (name, pron), (friend, _) = rng.sample(_PEOPLE, 2)
+    thing = rng.choice(_THINGS)
+    kind = rng.randrange(7)
+    if kind == 0:
+        a, b = rng.randint(2, 60), rng.randint(2, 40)
+        return (f"{name} has {a} {thing}. {pron.capitalize()} gets {b} more. How many {thing} does {pron} have now?",
+                [f"{a} + {b} = {a + b}"], a + b)
+    if kind == 1:
+        a = rng.randint(10, 90)
+        b = rng.randint(1, a - 1)
+        return (f"{name} has {a} {thing} and gives {b} of them to {friend}. How many {thing} does {name} have left?",
+                [f"{a} - {b} = {a - b}"], a - b)
+    if kind == 2:
+        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        return (f"Each box holds {a} {thing}. How many {thing} are in {b} boxes?", [f"{a} * {b} = {a * b}"], a * b)
+    if kind == 3:
+        each, groups = rng.randint(2, 12), rng.randint(2, 9)
+        total = each * groups
+        return (f"{name} shares {total} {thing} equally among {groups} friends. How many {thing} does each friend get?",
+                [f"{total} / {groups} = {each}"], each)
+    if kind == 4:
+        a, b = rng.randint(2, 12), rng.randint(2, 20)
+        return (f"{name} buys {a} {thing} at ${b} each. How many dollars does {pron} spend?",
+                [f"{a} * {b} = {a * b}"], a * b)
+    if kind == 5:
+        a, b = rng.randint(5, 50), rng.randint(2, 30)
+        c = rng.randint(1, a + b - 1)
+        return (f"{name} has {a} {thing}, buys {b} more and then gives {c} to {friend}. "
+                f"How many {thing} does {name} have now?",
+                [f"{a} + {b} = {a + b}", f"{a + b} - {c} = {a + b - c}"], a + b - c)
+    packs, per_pack, extra = rng.randint(2, 9), rng.randint(2, 12), rng.randint(1, 30)
+    return (f"{name} buys {packs} packs of {per_pack} {thing} and already has {extra}. "
+            f"How many {thing} does {pron} have in all?",
+            [f"{packs} * {per_pack} = {packs * per_pack}", f"{packs * per_pack} + {extra} = {packs * per_pack + extra}"],
+            packs * per_pack + extra)
 
 
 def _math_row(rng: random.Random) -> tuple[str, dict]:
-    problem, steps, answer = rng.choice(_MATH_TEMPLATES)(rng)
+    problem, steps, answer = _math_problem(rng)
     solution = "\n".join(steps) + f"\n#### {answer}"
     row = {
         "messages": [{"role": "user", "content": problem}, {"role": "assistant", "content": solution}],

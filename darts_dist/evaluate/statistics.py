@@ -1,0 +1,49 @@
+"""How sure a task score is: 95% intervals, the paired test of corrected against merged, the gap closed.
+
+Scores are pass/fail per problem, so a score is a binomial proportion (Wilson's interval, which
+stays inside [0, 1] and is honest at 0% and 100%), and two models answering the same problems are
+compared pair by pair: only the problems where exactly one of them passes say anything, and under
+"no difference" each of those is a fair coin (McNemar's exact test, a two-sided binomial test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scipy.stats import binomtest
+
+CONFIDENCE = 0.95
+
+
+def wilson_interval(passes: Sequence[bool], confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The Wilson score interval of the pass rate; (0, 1) when there is no problem at all."""
+    if not passes:
+        return 0.0, 1.0
+    interval = binomtest(sum(map(bool, passes)), len(passes)).proportion_ci(confidence, method="wilson")
+    return float(interval.low), float(interval.high)
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """A model against another on the same problems: where only it passes (wins), only the other (losses)."""
+
+    wins: int
+    losses: int
+    pvalue: float  # McNemar's exact two-sided p-value; 1.0 when no problem tells them apart
+
+
+def paired_comparison(model: Sequence[bool], other: Sequence[bool]) -> PairedComparison:
+    """McNemar's exact test of `model` against `other`, both pass/fail on the same problems in the same order."""
+    if len(model) != len(other):
+        raise ValueError(f"paired results need the same problems: {len(model)} against {len(other)}")
+    wins = sum(bool(a) and not bool(b) for a, b in zip(model, other))
+    losses = sum(bool(b) and not bool(a) for a, b in zip(model, other))
+    pvalue = 1.0 if wins + losses == 0 else float(binomtest(wins, wins + losses, 0.5).pvalue)
+    return PairedComparison(wins, losses, pvalue)
+
+
+def gap_closed(expert: float, merged: float, corrected: float) -> float | None:
+    """The share of the expert's lead over the merged model the correction wins back; None when there is none."""
+    gap = expert - merged
+    return None if gap <= 0 else (corrected - merged) / gap

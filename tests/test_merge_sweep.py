@@ -1,0 +1,84 @@
+"""The merge sweep: candidates parsed and checked, each merge scored on the validation split (never the
+held-out set), the best one named, through the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from darts_dist.cli import main
+from darts_dist.config import EvaluationSection, parse_config
+from darts_dist.errors import DartsError
+from darts_dist.evaluate.task_scores import SCORERS, problem_passes, problems_of_rows
+from darts_dist.generation import CorrectedLM
+from darts_dist.merge_sweep import MergeCandidate, sweep_merges
+from darts_dist.sources.data import split_rows
+from darts_dist.sources.references import resolve_sources
+
+
+def test_candidates_parse_and_bad_ones_say_how_to_write_them() -> None:
+    candidate = MergeCandidate.parse("ties:weight=1,density=0.5")
+    assert (candidate.method, dict(candidate.parameters)) == ("ties", {"weight": 1.0, "density": 0.5})
+    assert candidate.name == "ties:density=0.5,weight=1"
+    assert MergeCandidate.parse("task_arithmetic").name == "task_arithmetic"
+    with pytest.raises(DartsError, match="unknown merge method 'avg'"):
+        MergeCandidate.parse("avg:weight=1")
+    with pytest.raises(DartsError, match="is not key=number") as caught:
+        MergeCandidate.parse("task_arithmetic:weight=half")
+    assert "task_arithmetic:weight=0.5" in caught.value.fix
+
+
+def _config(tiny_family, tmp_path: Path, **calibration: object):
+    return parse_config({
+        "name": "sweep",
+        "output_dir": str(tmp_path / "runs"),
+        "sources": {"base": str(tiny_family.base), "experts": [
+            {"task": t, "path": str(tiny_family.experts[t]),
+             "data": {"calibration": f"demo:{t}", "heldout": f"demo:{t}"}} for t in ("math", "instruct")]},
+        "calibration": {"max_length": 64, "num_samples": 16, **calibration},
+        "evaluation": {"score_limit": 3, "max_new_tokens": 4, "generation_batch_size": 3},
+    })
+
+
+def test_sweep_scores_every_candidate_on_validation_rows_and_names_the_best(tiny_family, tmp_path: Path) -> None:
+    with pytest.raises(DartsError, match="validation_fraction is 0"):
+        sweep_merges(_config(tiny_family, tmp_path), progress=False)
+    config = _config(tiny_family, tmp_path, validation_fraction=0.5)
+    candidates = [MergeCandidate.parse("task_arithmetic:weight=0.5"), MergeCandidate.parse("task_arithmetic:weight=1")]
+    report = sweep_merges(config, candidates, progress=False)
+    assert list(report["candidates"]) == ["task_arithmetic:weight=0.5", "task_arithmetic:weight=1"]
+    means = {name: result["score_mean"] for name, result in report["candidates"].items()}
+    assert report["best"] == max(means, key=means.get)
+    assert report["best_merge"]["parameters"] == report["candidates"][report["best"]]["parameters"]
+
+    # A direct computation: the validation rows (the calibration file's second half), answered by each merge.
+    sources = resolve_sources(config)
+    for name, result in report["candidates"].items():
+        with CorrectedLM.load(Path(result["merged"])) as lm:
+            for task, fields in result["tasks"].items():
+                rows = split_rows(sources.data[task], "validation", config.calibration)
+                heldout = {r["messages"][0]["content"] for r in split_rows(sources.data[task], "heldout",
+                                                                          config.calibration)}
+                problems = problems_of_rows(rows, "validation", "validation", 3)
+                assert not {p.messages[0]["content"] for p in problems} & heldout  # never the held-out set
+                scorer = SCORERS[fields["score_name"]]
+                passes = problem_passes(lm, None, problems, scorer, EvaluationSection(
+                    score_limit=3, max_new_tokens=4, generation_batch_size=3))
+                assert fields["score_merged"] == sum(passes) / 3 and fields["score_n"] == 3, (name, task)
+        assert result["score_mean"] == pytest.approx(sum(t["score_merged"] for t in result["tasks"].values()) / 2)
+
+
+def test_merge_sweep_command_writes_its_report(tiny_family, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = _config(tiny_family, tmp_path, validation_fraction=0.5)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(json.dumps(config.model_dump(mode="json")))
+    assert main(["merge-sweep", str(path), "--candidates", "task_arithmetic:weight=0.7", "--report",
+                 str(tmp_path / "sweep.json")]) == 0
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    assert report["best"] == "task_arithmetic:weight=0.7" and report["split"] == "validation"
+    out = capsys.readouterr().out
+    assert "best on validation: task_arithmetic:weight=0.7" in out and "merge sweep" in out
+    assert main(["merge-sweep", str(path), "--candidates", "task_arithmetic:w"]) == 2

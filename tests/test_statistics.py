@@ -1,0 +1,70 @@
+"""Score statistics against closed forms: Wilson's interval, McNemar's exact test, the gap closed, and the
+fields a task's scores carry in the report."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from darts_dist.evaluate.statistics import gap_closed, paired_comparison, wilson_interval
+from darts_dist.evaluate.tables import format_value
+from darts_dist.evaluate.task_scores import SCORERS, score_fields
+from darts_dist.tracking.runs import evaluation_metrics
+
+
+def wilson_by_hand(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return centre - half, centre + half
+
+
+@pytest.mark.parametrize(("k", "n"), [(54, 200), (0, 200), (200, 200), (1, 3), (10, 20)])
+def test_wilson_interval_equals_the_closed_form(k: int, n: int) -> None:
+    low, high = wilson_interval([True] * k + [False] * (n - k))
+    assert (low, high) == pytest.approx(wilson_by_hand(k, n), abs=1e-12)
+    assert 0.0 <= low <= k / n <= high <= 1.0
+
+
+def test_mcnemar_exact_equals_a_binomial_sum_by_hand() -> None:
+    # 12 problems only the corrected model passes, 3 only the merged one, 30 both, 5 neither.
+    corrected = [True] * 12 + [False] * 3 + [True] * 30 + [False] * 5
+    merged = [False] * 12 + [True] * 3 + [True] * 30 + [False] * 5
+    result = paired_comparison(corrected, merged)
+    tail = sum(math.comb(15, i) for i in range(4)) / 2**15  # P(X <= 3), X ~ Binomial(15, 1/2)
+    assert (result.wins, result.losses) == (12, 3)
+    assert result.pvalue == pytest.approx(2 * tail, rel=1e-12)
+    assert paired_comparison(merged, corrected).pvalue == pytest.approx(result.pvalue)  # two-sided
+    assert paired_comparison([True, False], [True, False]).pvalue == 1.0  # nothing tells them apart
+    with pytest.raises(ValueError, match="same problems"):
+        paired_comparison([True], [True, False])
+
+
+def test_gap_closed() -> None:
+    assert gap_closed(expert=0.6, merged=0.2, corrected=0.5) == pytest.approx(0.75)
+    assert gap_closed(expert=0.6, merged=0.2, corrected=0.1) == pytest.approx(-0.25)  # the correction hurt
+    assert gap_closed(expert=0.3, merged=0.3, corrected=0.4) is None  # no gap to close
+
+
+def test_score_fields_in_the_report_tables_and_mlflow() -> None:
+    n = 40
+    passes = {
+        "base": [i < 4 for i in range(n)],
+        "expert": [i < 30 for i in range(n)],
+        "merged": [i < 10 for i in range(n)],
+        "corrected": [i < 24 or i == 39 for i in range(n)],  # 15 wins (problems 10-23 and 39), no loss
+        "routed": None,  # no router: left out
+    }
+    fields = score_fields(SCORERS["math_exact"], passes)
+    assert fields["score_n"] == n and "score_routed" not in fields
+    assert fields["score_base"] == 0.1 and fields["score_expert"] == 0.75 and fields["score_corrected"] == 0.625
+    assert fields["score_merged_ci"] == pytest.approx(list(wilson_by_hand(10, n)))
+    assert fields["score_gap_closed"] == pytest.approx((0.625 - 0.25) / (0.75 - 0.25))
+    assert (fields["score_wins"], fields["score_losses"]) == (15, 0)
+    assert fields["score_pvalue"] == pytest.approx(2 / 2**15)
+    metrics = evaluation_metrics({"overall": {}, "tasks": {"math": fields}})
+    assert metrics["eval.math.score_merged_ci.low"] == pytest.approx(wilson_by_hand(10, n)[0])
+    assert metrics["eval.math.score_pvalue"] == pytest.approx(2 / 2**15)
+    assert format_value("score_merged_ci", [0.1234, 0.4]) == "12.3–40.0"
+    assert format_value("score_pvalue", 6.1035e-05) == "6.1e-05"
