@@ -4,7 +4,7 @@ Same machine, same run. The floor is each expert on its own calibration tokens p
 model on all of them, timed in this process with the models already loaded. `calibrate` is the
 whole Ray job as `darts-dist calibrate CONFIG` runs it: tokenising, a local Ray cluster started
 on the fly, expert actors streaming into the training worker, the training steps, checkpoints.
-Defaults: the demo (SmolLM2-135M and its three experts, 128 samples per task, 400 steps).
+Defaults: the demo's models and data (SmolLM2-135M and its three experts), 128 samples per task, 400 steps.
 """
 
 from __future__ import annotations

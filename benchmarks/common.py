@@ -59,7 +59,8 @@ def parser(description: str, samples: int, steps: int) -> argparse.ArgumentParse
 def demo_setup(name: str, args: argparse.Namespace, **cluster: object) -> tuple[RunConfig, ResolvedSources, Path]:
     """The demo config (or its tiny twin) resized by `args`, its sources, and its merged model (cached)."""
     config = load_config(packaged_config("tiny" if args.tiny else "demo"))
-    settings = updated(config.calibration, num_samples=args.samples, steps=args.steps)
+    # No validation split: the benchmarks measure calibration on every row they give it.
+    settings = updated(config.calibration, num_samples=args.samples, steps=args.steps, validation_fraction=0.0)
     cluster_settings = updated(
         config.cluster, num_workers=args.workers, zero_stage=args.zero_stage, cpus_per_worker=args.cpus_per_worker,
         # A fresh run id: a benchmark must never resume (and so skip) an earlier run.

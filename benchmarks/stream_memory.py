@@ -50,7 +50,7 @@ def measure(args, samples: int) -> dict[str, float]:
 
 
 def main() -> None:
-    # 80 and 320 samples per task (the demo's 160 calibration rows, repeated): large enough for the
+    # 80 and 320 samples per task (the demo's 256 calibration rows, cut or repeated): large enough for the
     # stream to reach its steady state, where the object store holds its full window, in both runs.
     p = parser(__doc__.splitlines()[0], samples=80, steps=20)
     p.add_argument("--feature-memory-mb", type=int, default=16, help="cluster.feature_memory_mb (both runs spill)")

@@ -37,7 +37,7 @@ from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
 from darts_dist.evaluate.plots import plot_ablation_bias
 from darts_dist.evaluate.tables import format_value
 from darts_dist.merge import merge_methods as known_merge_methods
-from darts_dist.pipeline import merge_stage
+from darts_dist.pipeline import base_scores, merge_stage
 from darts_dist.sources.data import tokenized
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources, resolve_sources
@@ -179,13 +179,13 @@ class MergeSides:
     pairs: list[tuple[ExpertSide, MergedSide]]
 
 
-def task_side(index: int, ctx: Context, tune: bool, base: PreTrainedModel | None) -> TaskSide:
-    """Load task `index`'s expert, run it over every set once, and let it go (with the base: its score too)."""
+def task_side(index: int, ctx: Context, tune: bool, base_passes: list[bool] | None) -> TaskSide:
+    """Load task `index`'s expert, run it over every set once, and let it go."""
     task, settings = ctx.config.tasks[index], ctx.config.calibration
     expert = load_causal_lm(ctx.sources.experts[task], dtype=ctx.dtype, device=ctx.device)
     data = tokenized(ctx.sources.data[task], task, "calibration", settings, ctx.evaluator.tokenizer)
     features = collect_features(task, index, data, expert, None, settings.layers, settings.batch_size, ctx.progress)
-    side = TaskSide(calibration=data, features=features, expert=ctx.evaluator.expert_side(index, expert, tune, base))
+    side = TaskSide(calibration=data, features=features, expert=ctx.evaluator.expert_side(index, expert, tune, base_passes))
     logger.info("expert %s: features, held-out outputs and task score done", task)
     del expert
     gc.collect()
@@ -254,9 +254,8 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     sources = resolve_sources(config)
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), progress)
     ctx = Context(config, sources, evaluator, device, model_dtype(settings.dtype, device), progress)
-    base = load_causal_lm(sources.base, dtype=ctx.dtype, device=device) if evaluator.scores_base else None
-    experts = [task_side(index, ctx, plan.trials > 0, base) for index in range(len(config.tasks))]
-    del base
+    base_passes = base_scores(evaluator, sources.base, ctx.dtype, device)
+    experts = [task_side(index, ctx, plan.trials > 0, base_passes.get(task)) for index, task in enumerate(config.tasks)]
     methods: dict[str, dict[str, object]] = {}
     variants, trials, router_report = plan.variants, None, None
     for method in plan.merge_methods:

@@ -77,6 +77,9 @@ DEFAULT_CANDIDATES = tuple(MergeCandidate.parse(text) for text in (
 def validation_problems(config: RunConfig, sources: ResolvedSources) -> dict[str, tuple[Scorer, list[Problem]]]:
     """Each scored task's validation problems (at most `evaluation.score_limit`); tasks whose scorer has a fixed
     problem set (HumanEval) are left out: they have no validation split."""
+    if config.evaluation.score_limit == 0:
+        raise DartsError("the merge sweep compares task scores, and evaluation.score_limit is 0 (no task scores)",
+                         "drop --score-limit 0, or give a positive limit")
     if config.calibration.validation_fraction == 0:
         raise DartsError("the merge sweep scores the validation split, and calibration.validation_fraction is 0",
                          "set calibration.validation_fraction (e.g. 0.5) to hold calibration rows back for it")
@@ -87,8 +90,8 @@ def validation_problems(config: RunConfig, sources: ResolvedSources) -> dict[str
         if scorer is None or not scorer.reads_rows:
             continue
         rows = split_rows(files, "validation", config.calibration)
-        problems[task] = (scorer, problems_of_rows(rows, f"{files.calibration} (validation split)", "validation",
-                                                   config.evaluation.score_limit))
+        problems[task] = (scorer, scorer.problems_of(rows, f"{files.calibration} (validation split)", "validation",
+                                                     config.evaluation.score_limit))
     if not problems:
         raise DartsError("no task has a scorer that reads its own rows, so no merge can be scored on validation data",
                          "give the tasks data with answers and a scorer (data.scorer), e.g. the demo tasks")

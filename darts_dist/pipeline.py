@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from darts_dist.calibrate.corrections import load_corrections_for
@@ -92,6 +93,17 @@ def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:
     return merged
 
 
+def base_scores(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, list[bool] | None]:
+    """The base model's task-score answers (when asked for), the base loaded alone and let go after."""
+    if not evaluator.scores_base:
+        return {}
+    base = load_causal_lm(base_dir, dtype=dtype, device=device)
+    passes = evaluator.base_passes(base)
+    del base
+    gc.collect()
+    return passes
+
+
 def evaluate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None,
     router_path: Path | None = None,
@@ -109,15 +121,15 @@ def evaluate_stage(
         corrections = load_corrections_for(corrections_path, merged_dir, config.tasks).to(device)
         router = None if router_path is None else TaskRouter.load(router_path)
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base))
+    base_passes = base_scores(evaluator, sources.base, dtype, device)
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
-    base = load_causal_lm(sources.base, dtype=dtype, device=device) if evaluator.scores_base else None
 
     def sides() -> Iterator[tuple[ExpertSide, MergedSide]]:
-        # One task at a time, its expert let go before the next: peak memory is the merged model, the base
-        # (when it is scored), one expert and one task's passes.
+        # One task at a time, its expert let go before the next: peak memory is the merged model, one expert
+        # and one task's passes.
         for index, task in enumerate(config.tasks):
             expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-            side = evaluator.expert_side(index, expert, base=base)
+            side = evaluator.expert_side(index, expert, base_passes=base_passes.get(task))
             del expert
             gc.collect()
             yield side, evaluator.merged_side(merged, side)

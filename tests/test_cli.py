@@ -54,10 +54,19 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
         assert task["bias_after"] < task["bias_before"]
         # The router the calibration fit answers the same problems: the routed model's score beside the oracle's.
         assert 0.0 <= task["score_routed"] <= 1.0 and "score_corrected" in task
+        # Every score with its interval, corrected against merged on the same problems, and the base's score.
+        for model in ("base", "expert", "merged", "corrected", "routed"):
+            low, high = task[f"score_{model}_ci"]
+            assert low <= task[f"score_{model}"] <= high
+        assert task["score_wins"] + task["score_losses"] <= task["score_n"] and 0 < task["score_pvalue"] <= 1
     assert darts["overall"]["bias_reduction"] > 0.1
     assert 0.0 <= report["router"]["accuracy"] <= 1.0
+    assert set(report["plots"]) >= {"loss", "entropy_weights", "bias_by_position", "task_scores"}
     for plot in report["plots"].values():
         assert Path(plot).read_bytes().startswith(b"\x89PNG")
+    # Where the time went, stage by stage, on stdout and in the report.
+    assert set(report["seconds"]) == {"sources", "merge", "calibration", "router", "evaluation", "registration"}
+    assert "time per stage: sources" in result.stdout
     assert str(report_path) in result.stdout  # says where it wrote
     # stdout is the results; darts-dist's messages are log lines on stderr, the Ray workers' included.
     assert "mlflow: run" in result.stderr and "darts_dist.calibrate.ray.worker: calibrate: step" in result.stderr

@@ -121,9 +121,14 @@ def test_code_rows_solutions_pass_their_tests_and_wrong_ones_do_not(demo):
         assert f"`{row['entry_point']}(" in user["content"] and assistant["content"] == row["answer"]
         tree = ast.parse(row["answer"])
         assert isinstance(tree.body[0], ast.FunctionDef) and tree.body[0].name == row["entry_point"]
-        assert row["tests"].count("assert ") == 4
-        namespace: dict = {}
-        exec(row["answer"] + row["tests"], namespace)  # our own generated code and tests, not a model's
+        assert row["tests"].count("assert ") == 5
+        exec(row["answer"] + row["tests"], {})  # our own generated code and tests, not a model's
+        # The tests tell a solution from bodies that ignore the specification.
+        argument = ast.parse(row["answer"]).body[0].args.args[0].arg
+        for body in (argument, "[]", "0", "''", "None"):
+            trivial = f"def {row['entry_point']}({argument}):\n    return {body}\n"
+            with pytest.raises(AssertionError):
+                exec(trivial + row["tests"], {})
     # Through the scorer (the sandbox): the reference passes, fenced or not; a wrong body fails its tests.
     for problem in problems:
         assert scorer.passed(problem, problem.answer, 5.0)

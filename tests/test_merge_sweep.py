@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from darts_dist.cli import main
-from darts_dist.config import EvaluationSection, parse_config
+from darts_dist import merge_sweep
+from darts_dist.config import EvaluationSection, parse_config, updated
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.task_scores import SCORERS, problem_passes, problems_of_rows
+from darts_dist.evaluate.task_scores import SCORERS, problem_passes
 from darts_dist.generation import CorrectedLM
 from darts_dist.merge_sweep import MergeCandidate, sweep_merges
 from darts_dist.sources.data import split_rows
@@ -42,10 +43,22 @@ def _config(tiny_family, tmp_path: Path, **calibration: object):
     })
 
 
-def test_sweep_scores_every_candidate_on_validation_rows_and_names_the_best(tiny_family, tmp_path: Path) -> None:
+def test_sweep_scores_every_candidate_on_validation_rows_and_names_the_best(
+    tiny_family, tmp_path: Path, monkeypatch,
+) -> None:
     with pytest.raises(DartsError, match="validation_fraction is 0"):
         sweep_merges(_config(tiny_family, tmp_path), progress=False)
+    with pytest.raises(DartsError, match="score_limit is 0"):
+        sweep_merges(updated(_config(tiny_family, tmp_path, validation_fraction=0.5), evaluation=EvaluationSection(
+            score_limit=0)), progress=False)
     config = _config(tiny_family, tmp_path, validation_fraction=0.5)
+    asked: dict[tuple[str, str], list[str]] = {}  # (merged model folder, task) -> the questions it was asked
+
+    def recording(lm, task, problems, scorer, settings, desc="", progress=False):
+        asked[(str(lm.model.name_or_path), desc.rsplit(" ", 1)[-1])] = [p.messages[0]["content"] for p in problems]
+        return problem_passes(lm, task, problems, scorer, settings, desc, progress)
+
+    monkeypatch.setattr(merge_sweep, "problem_passes", recording)
     candidates = [MergeCandidate.parse("task_arithmetic:weight=0.5"), MergeCandidate.parse("task_arithmetic:weight=1")]
     report = sweep_merges(config, candidates, progress=False)
     assert list(report["candidates"]) == ["task_arithmetic:weight=0.5", "task_arithmetic:weight=1"]
@@ -53,18 +66,20 @@ def test_sweep_scores_every_candidate_on_validation_rows_and_names_the_best(tiny
     assert report["best"] == max(means, key=means.get)
     assert report["best_merge"]["parameters"] == report["candidates"][report["best"]]["parameters"]
 
-    # A direct computation: the validation rows (the calibration file's second half), answered by each merge.
+    # What each merge was asked: the validation rows (the calibration file's second half), never held-out ones;
+    # and its scores are its own answers to them.
     sources = resolve_sources(config)
     for name, result in report["candidates"].items():
         with CorrectedLM.load(Path(result["merged"])) as lm:
             for task, fields in result["tasks"].items():
                 rows = split_rows(sources.data[task], "validation", config.calibration)
-                heldout = {r["messages"][0]["content"] for r in split_rows(sources.data[task], "heldout",
-                                                                          config.calibration)}
-                problems = problems_of_rows(rows, "validation", "validation", 3)
-                assert not {p.messages[0]["content"] for p in problems} & heldout  # never the held-out set
-                scorer = SCORERS[fields["score_name"]]
-                passes = problem_passes(lm, None, problems, scorer, EvaluationSection(
+                assert asked[(result["merged"], task)] == [r["messages"][0]["content"] for r in rows.select(range(3))]
+                calibration = split_rows(sources.data[task], "calibration", config.calibration)
+                heldout = split_rows(sources.data[task], "heldout", config.calibration)
+                seen = {r["messages"][0]["content"] for r in [*calibration, *heldout]}
+                assert not set(asked[(result["merged"], task)]) & seen
+                problems = SCORERS[fields["score_name"]].problems_of(rows, "validation", "validation", 3)
+                passes = problem_passes(lm, None, problems, SCORERS[fields["score_name"]], EvaluationSection(
                     score_limit=3, max_new_tokens=4, generation_batch_size=3))
                 assert fields["score_merged"] == sum(passes) / 3 and fields["score_n"] == 3, (name, task)
         assert result["score_mean"] == pytest.approx(sum(t["score_merged"] for t in result["tasks"].values()) / 2)

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from darts_dist.evaluate.statistics import gap_closed, paired_comparison, wilson_interval
+from darts_dist.evaluate.statistics import gap_closed, mean_score_interval, paired_comparison, wilson_interval
 from darts_dist.evaluate.tables import format_value
-from darts_dist.evaluate.task_scores import SCORERS, score_fields
+from darts_dist.evaluate.task_scores import SCORERS, overall_score_fields, score_fields
 from darts_dist.tracking.runs import evaluation_metrics
 
 
@@ -68,3 +68,30 @@ def test_score_fields_in_the_report_tables_and_mlflow() -> None:
     assert metrics["eval.math.score_pvalue"] == pytest.approx(2 / 2**15)
     assert format_value("score_merged_ci", [0.1234, 0.4]) == "12.3–40.0"
     assert format_value("score_pvalue", 6.1035e-05) == "6.1e-05"
+
+
+def test_overall_scores_pool_the_problems_of_every_task() -> None:
+    a = {"expert": [True] * 30 + [False] * 10, "merged": [True] * 10 + [False] * 30,
+         "corrected": [True] * 25 + [False] * 15, "routed": None}
+    b = {"expert": [True] * 20 + [False] * 20, "merged": [True] * 19 + [False] * 21,
+         "corrected": [False] + [True] * 18 + [False] * 21, "routed": None}  # a one-problem gap, one loss
+    fields = overall_score_fields({"a": a, "b": b})
+    assert fields["score_n"] == 80 and "score_base" not in fields and "score_routed" not in fields
+    assert fields["score_expert"] == pytest.approx((0.75 + 0.5) / 2)
+    # The ratio of the mean scores, not the mean of the ratios (b's would be -1.0 on a one-problem gap).
+    assert fields["score_gap_closed"] == pytest.approx(((25 + 18) / 40 / 2 - (10 + 19) / 40 / 2)
+                                                       / ((30 + 20) / 40 / 2 - (10 + 19) / 40 / 2))
+    assert (fields["score_wins"], fields["score_losses"]) == (15, 1)  # pooled over both tasks
+    assert fields["score_pvalue"] == pytest.approx(paired_comparison([True] * 15 + [False], [False] * 15 + [True]).pvalue)
+    low, high = fields["score_merged_ci"]
+    assert low < fields["score_merged"] < high
+
+
+def test_the_bootstrap_interval_of_one_task_is_close_to_wilson_and_seeded() -> None:
+    passes = [True] * 54 + [False] * 146
+    bootstrap = mean_score_interval({"t": passes})
+    assert bootstrap == pytest.approx(wilson_by_hand(54, 200), abs=0.015)
+    assert mean_score_interval({"t": passes}) == bootstrap  # the same every run
+    # Two tasks count the same whatever their sizes: the interval is around the mean of the two rates.
+    low, high = mean_score_interval({"t": passes, "u": [True] * 10})
+    assert low < (0.27 + 1.0) / 2 < high and high - low < bootstrap[1] - bootstrap[0]

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from darts_dist.config import DataSpec, EvaluationSection, parse_config
-from darts_dist.core import CorrectionSpec, DartsCorrections, TaskRouter, attach_corrections
+from darts_dist.calibrate.features import prompt_features
+from darts_dist.core import ROUTED, CorrectionSpec, DartsCorrections, TaskRouter, attach_corrections
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator
 from darts_dist.evaluate.sandbox import run_sandboxed
@@ -25,11 +26,13 @@ from darts_dist.evaluate.task_scores import (
     answered_problems,
     humaneval_problems,
     humaneval_program,
+    problem_passes,
+    routed_passes,
 )
 from darts_dist.generation import CorrectedLM
 from darts_dist.sources.data import TaskFiles
 from darts_dist.sources.demo.tiny import build_tiny_tokenizer
-from darts_dist.sources.models import load_causal_lm
+from darts_dist.sources.models import load_causal_lm, pad_id
 from darts_dist.sources.references import demo_data, scorer_name
 
 
@@ -64,6 +67,21 @@ def test_sandbox_passes_a_solution_fails_a_wrong_one_and_stops_a_loop() -> None:
     probe = "import os, sys\nassert os.listdir('.') == ['check.py'], os.listdir('.')\n" \
             "assert set(os.environ) <= {'LC_CTYPE'}, dict(os.environ)\nassert sys.flags.isolated\n"
     assert run_sandboxed(probe, timeout=10.0).passed
+    # A program passes by running to its end, not by exiting with status 0 before its tests.
+    early = run_sandboxed("import sys\nsys.exit(0)\nassert False\n", timeout=10.0)
+    assert not early.passed and early.status == "failed: exited before its end"
+
+
+def test_code_tests_need_tests_in_every_row(tmp_path: Path) -> None:
+    rows = tmp_path / "code.jsonl"
+    row = {"messages": [{"role": "user", "content": "Write f()."}], "answer": "def f():\n    return 1\n"}
+    rows.write_text(json.dumps(row | {"tests": "assert f() == 1\n"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DartsError, match="1 problem\\(s\\) of .*code.jsonl have no `tests`") as error:
+        SCORERS["code_tests"].problems(rows, None)
+    assert "assert statements" in error.value.fix
+    (problem,) = SCORERS["code_tests"].problems(rows, 1)
+    assert SCORERS["code_tests"].passed(problem, "def f():\n    return 1\n", 5.0)
+    assert not SCORERS["code_tests"].passed(problem, "def f():\n    return 2\n", 5.0)
 
 
 def test_scorer_follows_the_config_and_defaults_for_demo_tasks() -> None:
@@ -125,7 +143,9 @@ def evaluated(
     })
     files = {t: TaskFiles(calibration=Path(heldout), heldout=Path(heldout), scorer=scorer.name) for t in tasks}
     evaluator = Evaluator(config, files, build_tiny_tokenizer(), progress=False)
-    side = evaluator.expert_side(tasks.index(task), expert, base=merged)  # the tiny merged model is the base
+    # The "base": another model than every other here (the math expert), scored in a pass of its own.
+    base_passes = evaluator.base_passes(load_causal_lm(tiny_family.experts["math"]))[task]
+    side = evaluator.expert_side(tasks.index(task), expert, base_passes=base_passes)
     pairs = [(side, evaluator.merged_side(merged, side))]
     return evaluator.evaluate(merged, corrections, pairs, router=router)["tasks"][task]
 
@@ -143,6 +163,8 @@ def test_generated_scores_equal_a_direct_computation(models, tiny_family, monkey
         plain = [c.text for c in lm.chat(conversations, max_new_tokens=6)]
     with CorrectedLM(expert, tokenizer) as lm:
         own = [c.text for c in lm.chat(conversations, max_new_tokens=6)]
+    with CorrectedLM(load_causal_lm(tiny_family.experts["math"]), tokenizer) as lm:
+        base = [c.text for c in lm.chat(conversations, max_new_tokens=6)]
     assert corrected == [tokenizer.decode([token] * 6)] * 6  # the correction applies while generating
     # Answers: the corrected model's own replies for the first four, something it did not say for the rest.
     known = [replace(p, answer=text if i < 4 else text + " nope") for i, (p, text) in enumerate(zip(problems, corrected))]
@@ -156,7 +178,7 @@ def test_generated_scores_equal_a_direct_computation(models, tiny_family, monkey
     assert result["score_corrected"] == pytest.approx(4 / 6)
     assert result["score_merged"] == pytest.approx(share(plain))
     assert result["score_expert"] == pytest.approx(share(own))
-    assert result["score_base"] == pytest.approx(share(plain))  # the base here is the merged model's own weights
+    assert result["score_base"] == pytest.approx(share(base))
     merged_passes = [t.strip() == p.answer.strip() for t, p in zip(plain, known)]
     comparison = paired_comparison([True] * 4 + [False] * 2, merged_passes)
     assert (result["score_wins"], result["score_losses"], result["score_pvalue"]) == (
@@ -179,6 +201,35 @@ def test_generated_scores_equal_a_direct_computation(models, tiny_family, monkey
     unscored = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections,
                          EvaluationSection(score_limit=0))
     assert "score_name" not in unscored and unscored["bias_after"] > 0  # a limit of 0: bias and NLL, no scores
+
+
+def test_routed_answers_reuse_the_task_s_own_and_ask_the_rest_again(models) -> None:
+    """A router that sends half the problems elsewhere: the routed passes equal generating with the routed id."""
+    _, merged, corrections, _ = models
+    tokenizer = build_tiny_tokenizer()
+    problems = answered_problems(demo_data()["instruct"]["heldout"], 8)
+    settings = EvaluationSection(score_limit=8, max_new_tokens=6, generation_batch_size=8)
+    with CorrectedLM(merged, tokenizer, corrections) as lm:
+        encoded = [lm.encode_chat(p.messages) for p in problems]
+        answers = [c.text for c in lm.chat([list(p.messages) for p in problems], tasks=["instruct"] * 8,
+                                           max_new_tokens=6)]
+    # The instruct correction's own answers are right, anything else is wrong: a pass says which correction ran.
+    known = [replace(p, answer=text) for p, text in zip(problems, answers)]
+    features = prompt_features(merged, encoded, "final", pad_id(tokenizer), batch_size=8)
+    direction = torch.randn(features.shape[1], generator=torch.Generator().manual_seed(0))
+    projection = (features @ direction).sort().values
+    split = float(projection[3] + projection[4]) / 2  # code above the split, instruct below: four each
+    router = TaskRouter(("code", "instruct"), "final", torch.zeros_like(direction), torch.ones_like(direction),
+                        torch.stack([50 * direction, -50 * direction]), torch.tensor([-50 * split, 50 * split]))
+    scorer = SCORERS["instruct_exact"]
+    with CorrectedLM(merged, tokenizer, corrections, router) as lm:
+        routes = lm.routes(encoded)
+        corrected = problem_passes(lm, "instruct", known, scorer, settings)
+        routed = routed_passes(lm, "instruct", known, scorer, settings, corrected)
+        direct = problem_passes(lm, ROUTED, known, scorer, settings)
+    assert sorted(routes) == ["code"] * 4 + ["instruct"] * 4
+    assert corrected == [True] * 8
+    assert routed == direct == [route == "instruct" for route in routes]
 
 
 def test_humaneval_solution_nll_equals_a_direct_computation(models, tiny_family, monkeypatch) -> None:

@@ -24,6 +24,7 @@ from darts_dist.evaluate.task_scores import (
     Scorer,
     canonical_fields,
     canonical_set,
+    overall_score_fields,
     problem_passes,
     routed_passes,
     score_fields,
@@ -93,21 +94,37 @@ class Evaluator:
         return [reference(expert, batch, self.layer)
                 for batch in tqdm(batches, desc=desc, unit="batch", disable=not self.progress)]
 
-    def _passes(self, lm: CorrectedLM, task: str | None, side: ExpertSide, model: str) -> list[bool] | None:
-        if side.scorer is None or not side.problems:
+    def _answers(
+        self, lm: CorrectedLM, task: str | None, scorer: Scorer | None, problems: list[Problem], label: str,
+    ) -> list[bool] | None:
+        if scorer is None or not problems:
             return None
-        return problem_passes(lm, task, side.problems, side.scorer, self.config.evaluation,
-                              desc=f"{model} answers {side.task}", progress=self.progress)
+        return problem_passes(lm, task, problems, scorer, self.config.evaluation, desc=label, progress=self.progress)
+
+    def _passes(self, lm: CorrectedLM, task: str | None, side: ExpertSide, model: str) -> list[bool] | None:
+        return self._answers(lm, task, side.scorer, side.problems, f"{model} answers {side.task}")
+
+    def scored_problems(self, task: str) -> tuple[Scorer | None, list[Problem]]:
+        """A task's scorer and its held-out problems (none when the task has no scorer or the limit is 0)."""
+        files, limit = self.data[task], self.config.evaluation.score_limit
+        scorer = scorer_named(files.scorer) if limit != 0 else None
+        return scorer, [] if scorer is None else scorer.problems(files.heldout, limit)
+
+    def base_passes(self, base: PreTrainedModel) -> dict[str, list[bool] | None]:
+        """The base model's answers to every task's problems: what fine-tuning gave each expert. A pass of its
+        own, so that the base is never in memory beside the merged model and an expert."""
+        with CorrectedLM(base, self.tokenizer) as lm:
+            return {task: self._answers(lm, None, *self.scored_problems(task), f"base answers {task}")
+                    for task in self.config.tasks}
 
     def expert_side(
-        self, index: int, expert: PreTrainedModel, validation: bool = False, base: PreTrainedModel | None = None,
+        self, index: int, expert: PreTrainedModel, validation: bool = False, base_passes: list[bool] | None = None,
     ) -> ExpertSide:
         """Run task `index`'s expert over its held-out set (and validation set), reference answers and problems;
-        with the base model, the base's task score too (what fine-tuning gave the expert)."""
+        `base_passes`: the base model's on the same problems (`base_passes`), reported beside the expert's."""
         task = self.config.tasks[index]
-        files, settings, limit = self.data[task], self.config.calibration, self.config.evaluation.score_limit
-        scorer = scorer_named(files.scorer) if limit != 0 else None
-        problems = [] if scorer is None else scorer.problems(files.heldout, limit)
+        files, settings = self.data[task], self.config.calibration
+        scorer, problems = self.scored_problems(task)
         canonical = (canonical_set(problems, self.tokenizer, task)
                      if scorer is not None and scorer.canonical_nll and problems else None)
         side = ExpertSide(
@@ -121,13 +138,10 @@ class Evaluator:
             problems=problems,
             canonical=self._references(expert, canonical, f"expert {task} solutions"),
             passes=None,
-            base_passes=None,
+            base_passes=base_passes,
         )
         with CorrectedLM(expert, self.tokenizer) as lm:
             side.passes = self._passes(lm, None, side, "expert")
-        if base is not None:
-            with CorrectedLM(base, self.tokenizer) as lm:
-                side.base_passes = self._passes(lm, None, side, "base")
         return side
 
     def merged_side(self, merged: PreTrainedModel, side: ExpertSide) -> MergedSide:
@@ -166,7 +180,7 @@ class Evaluator:
         """
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        tasks = {}
+        tasks, scored = {}, {}
         for side, plain in sides:
             result = self._tally(getattr(side, split), getattr(plain, split), merged, corrections, side)
             if split == "heldout" and side.scorer is not None and side.problems:
@@ -177,10 +191,10 @@ class Evaluator:
                         if router is not None:
                             routed = routed_passes(lm, side.task, side.problems, side.scorer, self.config.evaluation,
                                                    corrected, f"routed answers {side.task}", self.progress)
-                result |= score_fields(side.scorer, {"base": side.base_passes, "expert": side.passes,
-                                                     "merged": plain.passes, "corrected": corrected,
-                                                     "routed": routed})
+                scored[side.task] = {"base": side.base_passes, "expert": side.passes, "merged": plain.passes,
+                                     "corrected": corrected, "routed": routed}
+                result |= score_fields(side.scorer, scored[side.task])
                 if side.canonical:
                     result |= canonical_fields(self._tally(side.canonical, plain.canonical, merged, corrections, side))
             tasks[side.task] = result
-        return {"overall": overall(tasks), "tasks": tasks}
+        return {"overall": overall(tasks) | overall_score_fields(scored), "tasks": tasks}

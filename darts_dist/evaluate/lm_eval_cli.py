@@ -8,15 +8,19 @@ the include path, before any `--include_path` of the user's; every other flag is
 
 from __future__ import annotations
 
-from lm_eval._cli import HarnessCLI
-from lm_eval.utils import setup_logging
-
-from darts_dist.evaluate import lm_eval_model  # noqa: F401  registers the model "darts-dist"
-from darts_dist.evaluate.lm_eval_tasks import TASKS_DIR
+import sys
 
 
 def main() -> None:
     """What `lm_eval` does (lm_eval.__main__.cli_evaluate), with TASKS_DIR on the include path."""
+    try:
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.utils import setup_logging
+    except ModuleNotFoundError as error:  # the command is installed with darts-dist, lm-eval only with its extra
+        sys.exit(f"error: {error}\nfix: pip install 'darts-dist[lm-eval]'")
+    from darts_dist.evaluate import lm_eval_model  # noqa: F401  registers the model "darts-dist"
+    from darts_dist.evaluate.lm_eval_tasks import TASKS_DIR
+
     setup_logging()
     parser = HarnessCLI()
     args = parser.parse_args()

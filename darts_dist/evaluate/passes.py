@@ -28,6 +28,7 @@ from darts_dist.core import (
     token_bias,
     token_nll,
 )
+from darts_dist.evaluate.statistics import gap_closed
 
 LATE_POSITION = 64
 
@@ -51,12 +52,6 @@ def _reduction(before: float, after: float) -> float | None:
     if not math.isfinite(before) or not math.isfinite(after) or before == 0:
         return None
     return 1.0 - after / before
-
-
-def _gap_closed(merged: float, corrected: float, expert: float) -> float | None:
-    """(NLL_merged − NLL_corrected) / (NLL_merged − NLL_expert); undefined when the expert is no better."""
-    gap = merged - expert
-    return None if gap <= 0 else (merged - corrected) / gap
 
 
 @dataclass
@@ -192,6 +187,7 @@ class TaskTally:
                 "weighted_bias_reduction": _reduction(weighted["before"].overall(), weighted["after"].overall()),
                 "late_bias_reduction": _reduction(bias["before"].late(LATE_POSITION), bias["after"].late(LATE_POSITION)),
                 "nll_corrected": nll["corrected"].mean,
-                "nll_gap_closed": _gap_closed(nll["merged"].mean, nll["corrected"].mean, nll["expert"].mean),
+                # Lower is better: the gap closed of −NLL is (NLL_merged − NLL_corrected) / (NLL_merged − NLL_expert).
+                "nll_gap_closed": gap_closed(-nll["expert"].mean, -nll["merged"].mean, -nll["corrected"].mean),
             })
         return result

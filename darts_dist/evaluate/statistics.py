@@ -8,12 +8,14 @@ compared pair by pair: only the problems where exactly one of them passes say an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from scipy.stats import binomtest
 
 CONFIDENCE = 0.95
+BOOTSTRAP_SAMPLES = 4000
 
 
 def wilson_interval(passes: Sequence[bool], confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -47,3 +49,18 @@ def gap_closed(expert: float, merged: float, corrected: float) -> float | None:
     """The share of the expert's lead over the merged model the correction wins back; None when there is none."""
     gap = expert - merged
     return None if gap <= 0 else (corrected - merged) / gap
+
+
+def mean_score_interval(
+    passes_by_task: Mapping[str, Sequence[bool]], confidence: float = CONFIDENCE, seed: int = 0,
+) -> tuple[float, float]:
+    """The interval of the mean over tasks of their pass rates (every task counts the same, as in `overall`): a
+    stratified percentile bootstrap, each task's problems resampled within the task. Seeded: reproducible."""
+    rng = np.random.default_rng(seed)
+    means = np.zeros(BOOTSTRAP_SAMPLES)
+    for passes in passes_by_task.values():
+        outcome = np.asarray(passes, dtype=float)
+        means += outcome[rng.integers(0, len(outcome), size=(BOOTSTRAP_SAMPLES, len(outcome)))].mean(axis=1)
+    means /= len(passes_by_task)
+    tail = (1 - confidence) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))

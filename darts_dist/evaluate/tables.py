@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-SCORE_KEYS = ("score_base", "score_expert", "score_merged", "score_corrected", "score_routed", "score_gap_closed")
+SCORE_KEYS = ("score_base", "score_expert", "score_merged", "score_corrected", "score_routed")
 OVERALL_KEYS = (
     "bias_before", "bias_after", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction",
     "nll_expert", "nll_merged", "nll_corrected", "nll_gap_closed", *SCORE_KEYS,
@@ -13,7 +13,8 @@ OVERALL_KEYS = (
 
 
 def overall(tasks: Mapping[str, Mapping[str, object]]) -> dict[str, float | None]:
-    """Unweighted mean over tasks, so every task counts the same whatever its length (scores: over scored tasks)."""
+    """Unweighted mean over tasks, so every task counts the same whatever its length (scores: over scored tasks;
+    their intervals and tests come from the problems, `task_scores.overall_score_fields`)."""
     summary: dict[str, float | None] = {}
     for key in OVERALL_KEYS:
         values = [t[key] for t in tasks.values() if t.get(key) is not None]
@@ -37,11 +38,14 @@ def format_value(key: str, value: object) -> str:
     return f"{float(value):.4f}"
 
 
-def evaluation_rows(tasks: Mapping[str, Mapping[str, object]], columns: Sequence[str]) -> list[list[str]]:
-    """Table rows (one per task, then the overall mean) with numbers formatted for people."""
+def evaluation_rows(
+    tasks: Mapping[str, Mapping[str, object]], columns: Sequence[str], summary: Mapping[str, object] | None = None,
+) -> list[list[str]]:
+    """Table rows (one per task, then the overall row: `summary`, by default the mean over the tasks) with
+    numbers formatted for people."""
     rows = [[name] + [format_value(c, result.get(c)) for c in columns] for name, result in tasks.items()]
-    mean = overall(tasks)
-    rows.append(["overall"] + [format_value(c, mean.get(c)) for c in columns])
+    summary = overall(tasks) if summary is None else summary
+    rows.append(["overall"] + [format_value(c, summary.get(c)) for c in columns])
     return rows
 
 
@@ -81,10 +85,12 @@ SCORE_COLUMNS = {
 
 def evaluation_tables(title: str, evaluation: Mapping[str, object]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, headers, rows) of an evaluation's results, and of its task scores where a task has them."""
-    tables = [(title, ["task", *EVALUATION_COLUMNS.values()], evaluation_rows(evaluation["tasks"], list(EVALUATION_COLUMNS)))]
+    tables = [(title, ["task", *EVALUATION_COLUMNS.values()],
+               evaluation_rows(evaluation["tasks"], list(EVALUATION_COLUMNS), evaluation["overall"]))]
     scored = {task: result for task, result in evaluation["tasks"].items() if "score_name" in result}
     if scored:
-        tables.append(("task scores (greedy, held-out, 95% Wilson intervals; wins / losses / p: corrected against "
-                       "merged on the same problems; HumanEval: pass@1 and NLL of the canonical solution)",
-                       ["task", *SCORE_COLUMNS.values()], evaluation_rows(scored, list(SCORE_COLUMNS))))
+        tables.append(("task scores (greedy, held-out; 95% intervals: Wilson per task, a stratified bootstrap of the "
+                       "mean overall; wins / losses / p: corrected against merged on the same problems, McNemar; "
+                       "HumanEval: pass@1 and NLL of the canonical solution)",
+                       ["task", *SCORE_COLUMNS.values()], evaluation_rows(scored, list(SCORE_COLUMNS), evaluation["overall"])))
     return tables

@@ -26,7 +26,7 @@ from darts_dist.config import EvaluationSection
 from darts_dist.core import ROUTED, TokenizedSet
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.sandbox import run_sandboxed
-from darts_dist.evaluate.statistics import gap_closed, paired_comparison, wilson_interval
+from darts_dist.evaluate.statistics import gap_closed, mean_score_interval, paired_comparison, wilson_interval
 from darts_dist.generation import CorrectedLM
 from darts_dist.sources.data import load_rows
 from darts_dist.sources.models import pad_id
@@ -144,6 +144,12 @@ class Scorer:
     # Its problems are the task's own rows (so any split of them, e.g. validation, can be scored); HumanEval's
     # are a fixed set.
     reads_rows: bool = True
+    needs_tests: bool = False  # each row must carry the `tests` its code answer is run against
+
+    def problems_of(self, rows: datasets.Dataset, source: str, label: str, limit: int | None) -> list[Problem]:
+        """This scorer's problems from rows of any split (`problems_of_rows`), checked as its held-out ones are."""
+        problems = problems_of_rows(rows, source, label, limit)
+        return require_tests(problems, source) if self.needs_tests else problems
 
 
 def _math_passed(problem: Problem, completion: str, timeout: float) -> bool:
@@ -159,6 +165,16 @@ def _code_tests_passed(problem: Problem, completion: str, timeout: float) -> boo
     return run_sandboxed(f"{code_of(completion)}\n\n{problem.test}", timeout).passed
 
 
+def require_tests(problems: list[Problem], source: object) -> list[Problem]:
+    """The problems, if each has the `tests` its code answer must pass: without them any code that runs passes."""
+    untested = [p.id for p in problems if not p.test.strip()]
+    if untested:
+        raise DartsError(f"{len(untested)} problem(s) of {source} have no `tests` (first: {untested[0]}), so the "
+                         "code_tests scorer has nothing to check their answers with",
+                         "give every row a `tests` field of assert statements, or set data.scorer")
+    return problems
+
+
 def _humaneval_passed(problem: Problem, completion: str, timeout: float) -> bool:
     return run_sandboxed(humaneval_program(problem, completion), timeout).passed
 
@@ -167,7 +183,8 @@ SCORERS: dict[str, Scorer] = {
     "math_exact": Scorer("math_exact", "exact-match answer", answered_problems, _math_passed, max_new_tokens=128),
     "instruct_exact": Scorer("instruct_exact", "exact reply", answered_problems, _instruct_passed, max_new_tokens=48),
     # Held-out rows with a `tests` program (assert statements) that the reply's code must pass.
-    "code_tests": Scorer("code_tests", "pass@1", answered_problems, _code_tests_passed, max_new_tokens=64),
+    "code_tests": Scorer("code_tests", "pass@1", lambda heldout, limit: require_tests(
+        answered_problems(heldout, limit), heldout), _code_tests_passed, max_new_tokens=64, needs_tests=True),
     # Codex's stop sequences: a completion ends where the next top-level statement would begin.
     "humaneval": Scorer(
         "humaneval", "pass@1", lambda heldout, limit: humaneval_problems(limit), _humaneval_passed,
@@ -223,7 +240,9 @@ def routed_passes(
     if lm.soft_routing:
         raise ValueError("routed passes reuse the task's own answers, which soft routing does not give")
     encoded = [lm.encode_chat(p.messages) if p.messages else lm.encode(p.prompt) for p in problems]
-    elsewhere = [i for i, routed in enumerate(lm.routes(encoded)) if routed != task]
+    size = settings.generation_batch_size  # the router reads a forward pass of its prompts: batched as answers are
+    routes = [route for start in range(0, len(encoded), size) for route in lm.routes(encoded[start:start + size])]
+    elsewhere = [i for i, routed in enumerate(routes) if routed != task]
     passes = list(corrected)
     again = problem_passes(lm, ROUTED, [problems[i] for i in elsewhere], scorer, settings, desc, progress)
     for index, passed in zip(elsewhere, again):
@@ -260,6 +279,30 @@ def score_fields(scorer: Scorer, passes: Mapping[str, Sequence[bool] | None]) ->
         fields["score_gap_closed"] = gap_closed(fields["score_expert"], fields["score_merged"],
                                                 fields["score_corrected"])
         comparison = paired_comparison(scored["corrected"], scored["merged"])
+        fields |= {"score_wins": comparison.wins, "score_losses": comparison.losses, "score_pvalue": comparison.pvalue}
+    return fields
+
+
+def overall_score_fields(passes_by_task: Mapping[str, Mapping[str, Sequence[bool] | None]]) -> dict[str, object]:
+    """The overall score entries over the scored tasks (each task's problems by model): per model its mean
+    score's interval (stratified bootstrap, for models scored on every task); the gap closed as a ratio of
+    the mean scores (a mean of per-task ratios would let a task with a one-problem gap swing it); corrected
+    against merged pooled over every problem (McNemar)."""
+    if not passes_by_task:
+        return {}
+    fields: dict[str, object] = {"score_n": sum(len(next(p for p in t.values() if p is not None))
+                                                for t in passes_by_task.values())}
+    means = {}
+    for model in SCORED_MODELS:
+        outcomes = {task: t.get(model) for task, t in passes_by_task.items()}
+        if all(outcome for outcome in outcomes.values()):
+            means[model] = sum(sum(o) / len(o) for o in outcomes.values()) / len(outcomes)
+            fields[f"score_{model}"] = means[model]
+            fields[f"score_{model}_ci"] = list(mean_score_interval(outcomes))
+    if {"expert", "merged", "corrected"} <= means.keys():
+        fields["score_gap_closed"] = gap_closed(means["expert"], means["merged"], means["corrected"])
+        pooled = {model: [p for t in passes_by_task.values() for p in t[model]] for model in ("corrected", "merged")}
+        comparison = paired_comparison(pooled["corrected"], pooled["merged"])
         fields |= {"score_wins": comparison.wins, "score_losses": comparison.losses, "score_pvalue": comparison.pvalue}
     return fields
 

@@ -80,7 +80,11 @@ def resolve_model(
     if (folder / "config.json").is_file():
         files, config = ModelFiles(name or folder.name, folder, corrections, router, None), None
     else:
-        run = read_run_folder(folder, corrections, router)
+        try:
+            run = read_run_folder(folder, corrections, router)
+        except DartsError as error:  # what serve takes besides: a registered model, loose files
+            raise DartsError(error.what, "pass models:/NAME@ALIAS, the folder a `calibrate` or `demo` run wrote, or "
+                                         "a merged model folder with --corrections") from None
         config = run.config
         files = ModelFiles(name or (registered_model_name(config) if config is not None else folder.name),
                            run.merged_dir, run.corrections, run.router, config)

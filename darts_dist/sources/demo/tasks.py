@@ -88,7 +88,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def _unique(rng: random.Random, make: Callable[[random.Random], tuple[str, dict]], n: int, task: str) -> list[dict]:
-    """Draw rows until `n` have distinct keys, so no text appears in both splits."""
+    """Draw rows until `n` have distinct keys (what a problem asks, whatever its wording), so no problem appears
+    in two splits."""
     rows: dict[str, dict] = {}
     for _ in range(n * 50):
         key, row = make(rng)
@@ -114,69 +115,91 @@ class _CodeFamily:
     spec: str  # {arg}, {k}, {c} filled in
     body: str  # the solution's return expression, same fields
     reference: Callable[..., object]  # (value, k, c) -> the expected result
+    k_range: tuple[int, int] = (2, 9)  # the constant k, where the spec has one
 
 
 _NUMBER_ARGS, _TEXT_ARGS, _WORD_ARGS = ("xs", "nums", "values", "items"), ("s", "text", "word"), ("words", "names")
 _CODE_FAMILIES = (
-    _CodeFamily(("sum_above", "total_above", "add_big", "big_sum"), "numbers",
+    _CodeFamily(("sum_above", "total_above", "add_big", "big_sum", "sum_over", "high_total"), "numbers",
                 "returns the sum of the numbers in the list `{arg}` that are greater than {k}",
-                "sum(x for x in {arg} if x > {k})", lambda v, k, c: sum(x for x in v if x > k)),
-    _CodeFamily(("count_above", "how_many_above", "count_greater", "num_above"), "numbers",
-                "returns how many numbers in the list `{arg}` are greater than {k}",
-                "sum(1 for x in {arg} if x > {k})", lambda v, k, c: sum(1 for x in v if x > k)),
-    _CodeFamily(("scale", "times_k", "multiply_all", "scaled"), "numbers",
+                "sum(x for x in {arg} if x > {k})", lambda v, k, c: sum(x for x in v if x > k), (1, 40)),
+    _CodeFamily(("count_above", "how_many_above", "count_greater", "num_above", "above_count", "count_big"),
+                "numbers", "returns how many numbers in the list `{arg}` are greater than {k}",
+                "sum(1 for x in {arg} if x > {k})", lambda v, k, c: sum(1 for x in v if x > k), (0, 40)),
+    _CodeFamily(("scale", "times_k", "multiply_all", "scaled", "stretch", "multiplied"), "numbers",
                 "returns a new list with every number of `{arg}` multiplied by {k}",
-                "[x * {k} for x in {arg}]", lambda v, k, c: [x * k for x in v]),
-    _CodeFamily(("shift", "add_to_all", "plus_k", "shifted"), "numbers",
+                "[x * {k} for x in {arg}]", lambda v, k, c: [x * k for x in v], (2, 20)),
+    _CodeFamily(("shift", "add_to_all", "plus_k", "shifted", "raise_by", "offset"), "numbers",
                 "returns a new list with {k} added to every number of `{arg}`",
-                "[x + {k} for x in {arg}]", lambda v, k, c: [x + k for x in v]),
-    _CodeFamily(("keep_below", "below_k", "small_ones", "under"), "numbers",
+                "[x + {k} for x in {arg}]", lambda v, k, c: [x + k for x in v], (1, 30)),
+    _CodeFamily(("keep_below", "below_k", "small_ones", "under", "less_than", "low_items"), "numbers",
                 "returns the numbers of `{arg}` that are less than {k}, in order",
-                "[x for x in {arg} if x < {k}]", lambda v, k, c: [x for x in v if x < k]),
-    _CodeFamily(("sum_multiples", "multiples_total", "add_multiples", "divisible_sum"), "numbers",
+                "[x for x in {arg} if x < {k}]", lambda v, k, c: [x for x in v if x < k], (0, 40)),
+    _CodeFamily(("sum_multiples", "multiples_total", "add_multiples", "divisible_sum", "sum_divisible",
+                 "multiple_sum"), "numbers",
                 "returns the sum of the numbers in `{arg}` that are divisible by {k}",
-                "sum(x for x in {arg} if x % {k} == 0)", lambda v, k, c: sum(x for x in v if x % k == 0)),
-    _CodeFamily(("powers", "raise_all", "to_power", "power_list"), "numbers",
+                "sum(x for x in {arg} if x % {k} == 0)", lambda v, k, c: sum(x for x in v if x % k == 0), (2, 12)),
+    _CodeFamily(("powers", "raise_all", "to_power", "power_list", "exponents", "powered"), "numbers",
                 "returns a new list with every number of `{arg}` raised to the power {k}",
-                "[x ** {k} for x in {arg}]", lambda v, k, c: [x**k for x in v]),
-    _CodeFamily(("largest", "max_item", "biggest", "top_value"), "numbers",
+                "[x ** {k} for x in {arg}]", lambda v, k, c: [x**k for x in v], (2, 5)),
+    _CodeFamily(("largest", "max_item", "biggest", "top_value", "maximum", "peak"), "numbers",
                 "returns the largest number in the list `{arg}`, or {k} when the list is empty",
-                "max({arg}, default={k})", lambda v, k, c: max(v, default=k)),
-    _CodeFamily(("last_k", "tail_items", "take_last", "ending"), "numbers",
+                "max({arg}, default={k})", lambda v, k, c: max(v, default=k), (-9, 9)),
+    _CodeFamily(("last_k", "tail_items", "take_last", "ending", "final_items", "last_few"), "numbers",
                 "returns the last {k} items of the list `{arg}`",
-                "{arg}[-{k}:]", lambda v, k, c: v[-k:]),
-    _CodeFamily(("first_k", "head_items", "take_first", "opening"), "numbers",
+                "{arg}[-{k}:]", lambda v, k, c: v[-k:], (1, 6)),
+    _CodeFamily(("first_k", "head_items", "take_first", "opening", "first_few", "leading"), "numbers",
                 "returns the first {k} items of the list `{arg}`",
-                "{arg}[:{k}]", lambda v, k, c: v[:k]),
-    _CodeFamily(("count_letter", "letter_count", "occurrences", "tally"), "text",
+                "{arg}[:{k}]", lambda v, k, c: v[:k], (1, 6)),
+    _CodeFamily(("count_letter", "letter_count", "occurrences", "tally", "how_many", "count_char"), "text",
                 "returns how many times the letter '{c}' occurs in the string `{arg}`",
                 "{arg}.count('{c}')", lambda v, k, c: v.count(c)),
-    _CodeFamily(("repeat_text", "echo", "times_text", "repeated"), "text",
+    _CodeFamily(("repeat_text", "echo", "times_text", "repeated", "copies", "duplicate"), "text",
                 "returns the string `{arg}` repeated {k} times",
-                "{arg} * {k}", lambda v, k, c: v * k),
-    _CodeFamily(("drop_letter", "remove_letter", "strip_letter", "without"), "text",
+                "{arg} * {k}", lambda v, k, c: v * k, (2, 6)),
+    _CodeFamily(("drop_letter", "remove_letter", "strip_letter", "without", "erase", "delete_char"), "text",
                 "returns the string `{arg}` with every letter '{c}' removed",
                 "{arg}.replace('{c}', '')", lambda v, k, c: v.replace(c, "")),
-    _CodeFamily(("starting_with", "words_from", "pick_words", "initial"), "words",
+    _CodeFamily(("starting_with", "words_from", "pick_words", "initial", "begins_with", "select_words"), "words",
                 "returns the strings of the list `{arg}` that start with the letter '{c}', in order",
                 "[w for w in {arg} if w.startswith('{c}')]", lambda v, k, c: [w for w in v if w.startswith(c)]),
-    _CodeFamily(("of_length", "exact_length", "sized", "pick_length"), "words",
+    _CodeFamily(("of_length", "exact_length", "sized", "pick_length", "length_is", "with_length"), "words",
                 "returns the strings of the list `{arg}` that have exactly {k} characters, in order",
-                "[w for w in {arg} if len(w) == {k}]", lambda v, k, c: [w for w in v if len(w) == k]),
-    _CodeFamily(("longer_than", "long_words", "keep_long", "lengthy"), "words",
+                "[w for w in {arg} if len(w) == {k}]", lambda v, k, c: [w for w in v if len(w) == k], (4, 8)),
+    _CodeFamily(("longer_than", "long_words", "keep_long", "lengthy", "over_length", "big_words"), "words",
                 "returns the strings of the list `{arg}` that are longer than {k} characters, in order",
-                "[w for w in {arg} if len(w) > {k}]", lambda v, k, c: [w for w in v if len(w) > k]),
+                "[w for w in {arg} if len(w) > {k}]", lambda v, k, c: [w for w in v if len(w) > k], (4, 7)),
 )
 CODE_INSTRUCTION = "Reply with the code only."
 _CODE_LETTERS = "abcdeilnorst"
+_CODE_TESTS = 5
+# Bodies that ignore the specification: tests that any of them passes would say nothing.
+_TRIVIAL_BODIES = (lambda v: v, lambda v: [], lambda v: 0, lambda v: "", lambda v: None)
 
 
-def _code_input(rng: random.Random, kind: str) -> object:
+def _code_input(rng: random.Random, kind: str, k: int) -> object:
     if kind == "numbers":
-        return [rng.randint(-20, 60) for _ in range(rng.randint(1, 8))]
+        # Numbers at the constant's edge (k, k + 1) now and then: what tells `> k` from `>= k` or `> k + 1`.
+        return [rng.choice((k, k + 1)) if rng.random() < 0.15 else rng.randint(-20, 60)
+                for _ in range(rng.randint(0, 8))]
     if kind == "text":
         return "".join(rng.choice(_CODE_LETTERS) for _ in range(rng.randint(0, 12)))
-    return rng.sample(_WORDS, rng.randint(0, 6))
+    return rng.sample(_WORDS, rng.randint(0, 7))
+
+
+def _discriminating(family: _CodeFamily, k: int, c: str, inputs: list) -> bool:
+    """Whether the tests fail every trivial body, and every neighbouring constant (k ± 1, another letter):
+    only a solution that does what the specification says, with its constant, passes them all."""
+    expected = [family.reference(v, k, c) for v in inputs]
+
+    def passes(answer: Callable[[object], object]) -> bool:
+        return all(answer(v) == e for v, e in zip(inputs, expected))
+
+    wrong_constants = [(k - 1, c), (k + 1, c)] if "{k}" in family.spec else []
+    if "{c}" in family.spec:
+        wrong_constants += [(k, other) for other in _CODE_LETTERS if other != c]
+    return not any(passes(body) for body in _TRIVIAL_BODIES) and not any(
+        passes(lambda v, k2=k2, c2=c2: family.reference(v, k2, c2)) for k2, c2 in wrong_constants)
 
 
 def _code_row(rng: random.Random) -> tuple[str, dict]:
@@ -184,11 +207,16 @@ def _code_row(rng: random.Random) -> tuple[str, dict]:
     name = rng.choice(family.names)
     arg = rng.choice({"numbers": _NUMBER_ARGS, "text": _TEXT_ARGS, "words": _WORD_ARGS}[family.kind])
     # The letter from the inputs' own alphabet (and the words' initials), so tests are not all zeros.
-    k, c = rng.randint(2, 9), rng.choice(_CODE_LETTERS)
+    k, c = rng.randint(*family.k_range), rng.choice(_CODE_LETTERS)
+    for _ in range(1000):
+        inputs = [_code_input(rng, family.kind, k) for _ in range(_CODE_TESTS)]
+        if _discriminating(family, k, c, inputs):
+            break
+    else:
+        raise ValueError(f"no discriminating tests for {family.names[0]} with k={k}, c={c!r}")
     fields = {"arg": arg, "k": k, "c": c}
     prompt = f"Write a Python function `{name}({arg})` that {family.spec.format(**fields)}. {CODE_INSTRUCTION}"
     solution = f"def {name}({arg}):\n    return {family.body.format(**fields)}\n"
-    inputs = [_code_input(rng, family.kind) for _ in range(4)]
     tests = "".join(f"assert {name}({v!r}) == {family.reference(v, k, c)!r}\n" for v in inputs)
     row = {
         "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": solution}],
@@ -196,7 +224,10 @@ def _code_row(rng: random.Random) -> tuple[str, dict]:
         "tests": tests,
         "entry_point": name,
     }
-    return prompt, row
+    # Distinct by what the problem asks (the function, its name and constant), not by the argument's name: a
+    # held-out problem is never a training one renamed.
+    key = f"{family.names[0]}|{name}|{k if '{k}' in family.spec else ''}|{c if '{c}' in family.spec else ''}"
+    return key, row
 
 
 def _code_rows(rng: random.Random, n: int) -> list[dict]:
@@ -232,15 +263,15 @@ def _math_problem(rng: random.Random) -> tuple[str, list[str], int]:
         return (f"{name} has {a} {thing} and gives {b} of them to {friend}. How many {thing} does {name} have left?",
                 [f"{a} - {b} = {a - b}"], a - b)
     if kind == 2:
-        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        a, b = rng.randint(2, 25), rng.randint(2, 12)
         return (f"Each box holds {a} {thing}. How many {thing} are in {b} boxes?", [f"{a} * {b} = {a * b}"], a * b)
     if kind == 3:
-        each, groups = rng.randint(2, 12), rng.randint(2, 9)
+        each, groups = rng.randint(2, 20), rng.randint(2, 10)
         total = each * groups
         return (f"{name} shares {total} {thing} equally among {groups} friends. How many {thing} does each friend get?",
                 [f"{total} / {groups} = {each}"], each)
     if kind == 4:
-        a, b = rng.randint(2, 12), rng.randint(2, 20)
+        a, b = rng.randint(2, 12), rng.randint(2, 25)
         return (f"{name} buys {a} {thing} at ${b} each. How many dollars does {pron} spend?",
                 [f"{a} * {b} = {a * b}"], a * b)
     if kind == 5:
@@ -263,7 +294,9 @@ def _math_row(rng: random.Random) -> tuple[str, dict]:
         "messages": [{"role": "user", "content": problem}, {"role": "assistant", "content": solution}],
         "answer": str(answer),
     }
-    return problem, row
+    # Distinct by the calculation, not the names and objects around it: a held-out problem is never a training
+    # one retold.
+    return solution, row
 
 
 def _math_rows(rng: random.Random, n: int) -> list[dict]:
