@@ -37,7 +37,7 @@ logger = logging.getLogger("darts_dist.cli")
 
 
 # Wide enough for the result table when output goes to a file or CI log (rich assumes 80 there).
-console = Console(width=None if sys.stdout.isatty() else 140)
+console = Console(width=None if sys.stdout.isatty() else 200)  # piped: wide enough for the score table
 errors = Console(stderr=True, soft_wrap=True)  # paths in messages stay on one line
 
 # Heavy imports (torch, transformers, mergekit) happen inside the commands, so `--help` and

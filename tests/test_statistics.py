@@ -8,7 +8,7 @@ import math
 import pytest
 
 from darts_dist.evaluate.statistics import gap_closed, mean_score_interval, paired_comparison, wilson_interval
-from darts_dist.evaluate.tables import format_value
+from darts_dist.evaluate.tables import evaluation_tables, format_value
 from darts_dist.evaluate.task_scores import SCORERS, overall_score_fields, score_fields
 from darts_dist.tracking.runs import evaluation_metrics
 
@@ -95,3 +95,18 @@ def test_the_bootstrap_interval_of_one_task_is_close_to_wilson_and_seeded() -> N
     # Two tasks count the same whatever their sizes: the interval is around the mean of the two rates.
     low, high = mean_score_interval({"t": passes, "u": [True] * 10})
     assert low < (0.27 + 1.0) / 2 < high and high - low < bootstrap[1] - bootstrap[0]
+
+
+def test_the_score_table_shows_each_score_with_its_interval() -> None:
+    passes = {"base": [False] * 8, "expert": [True] * 6 + [False] * 2, "merged": [True] * 2 + [False] * 6,
+              "corrected": [True] * 5 + [False] * 3, "routed": None}
+    task = score_fields(SCORERS["math_exact"], passes)
+    evaluation = {"tasks": {"math": task}, "overall": overall_score_fields({"math": passes})}
+    (_, _, _), (title, headers, rows) = evaluation_tables("t", evaluation)
+    assert headers == ["task (scorer)", "n", "base", "expert", "merged", "corrected", "gap closed", "wins", "losses",
+                       "p"]  # no router: no routed column
+    low, high = wilson_interval(passes["corrected"])
+    assert rows[0][:2] == ["math (math_exact)", "8"]
+    assert rows[0][5] == f"62.5% ({100 * low:.1f}–{100 * high:.1f})"
+    assert rows[0][6:] == ["75.0%", "3", "0", format_value("score_pvalue", task["score_pvalue"])]
+    assert rows[1][0] == "overall" and rows[1][5].startswith("62.5% (")

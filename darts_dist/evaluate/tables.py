@@ -62,35 +62,43 @@ EVALUATION_COLUMNS = {
 }
 
 
+# The task-score table: a model's score is shown with its interval in one cell ("score (low–high)").
 SCORE_COLUMNS = {
-    "score_name": "scorer",
     "score_n": "n",
     "score_base": "base",
     "score_expert": "expert",
-    "score_expert_ci": "95% CI",
     "score_merged": "merged",
-    "score_merged_ci": "95% CI",
     "score_corrected": "corrected",
-    "score_corrected_ci": "95% CI",
     "score_routed": "routed",
     "score_gap_closed": "gap closed",
     "score_wins": "wins",
     "score_losses": "losses",
-    "score_pvalue": "p (McNemar)",
+    "score_pvalue": "p",
     "canonical_nll_expert": "solution NLL expert",
     "canonical_nll_merged": "solution NLL merged",
     "canonical_nll_corrected": "solution NLL corrected",
 }
 
 
+def _score_cell(key: str, result: Mapping[str, object]) -> str:
+    value = format_value(key, result.get(key))
+    interval = result.get(f"{key}_ci")
+    return value if interval is None or value == "-" else f"{value} ({format_value(key, interval)})"
+
+
 def evaluation_tables(title: str, evaluation: Mapping[str, object]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, headers, rows) of an evaluation's results, and of its task scores where a task has them."""
+    """(title, headers, rows) of an evaluation's results, and of its task scores where a task has them (columns
+    no task has, e.g. routed scores without a router, left out)."""
     tables = [(title, ["task", *EVALUATION_COLUMNS.values()],
                evaluation_rows(evaluation["tasks"], list(EVALUATION_COLUMNS), evaluation["overall"]))]
     scored = {task: result for task, result in evaluation["tasks"].items() if "score_name" in result}
     if scored:
-        tables.append(("task scores (greedy, held-out; 95% intervals: Wilson per task, a stratified bootstrap of the "
-                       "mean overall; wins / losses / p: corrected against merged on the same problems, McNemar; "
-                       "HumanEval: pass@1 and NLL of the canonical solution)",
-                       ["task", *SCORE_COLUMNS.values()], evaluation_rows(scored, list(SCORE_COLUMNS), evaluation["overall"])))
+        columns = [key for key in SCORE_COLUMNS if any(result.get(key) is not None for result in scored.values())]
+        rows = [[f"{task} ({result['score_name']})", *(_score_cell(key, result) for key in columns)]
+                for task, result in scored.items()]
+        rows.append(["overall", *(_score_cell(key, evaluation["overall"]) for key in columns)])
+        tables.append(("task scores: greedy answers to held-out problems, score (95% interval: Wilson per task, a "
+                       "stratified bootstrap of the mean overall); wins / losses / p: corrected against merged on the "
+                       "same problems (McNemar's exact test)", ["task (scorer)", *(SCORE_COLUMNS[k] for k in columns)],
+                       rows))
     return tables
