@@ -21,15 +21,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.calibrate.features import prompt_features
-from darts_dist.core import (
-    ROUTED,
-    DartsCorrections,
-    TaskRouter,
-    attach_corrections,
-    one_hot_tasks,
-    token_batch,
-    token_nll,
-)
+from darts_dist.core import (ROUTED, DartsCorrections, TaskRouter, attach_corrections, one_hot_tasks, token_batch,
+                             token_nll)
 from darts_dist.errors import DartsError
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 

@@ -17,14 +17,7 @@ from dataclasses import dataclass, field
 from darts_dist.config import RunConfig, updated
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import format_value
-from darts_dist.evaluate.task_scores import (
-    Problem,
-    Scorer,
-    problem_passes,
-    problems_of_rows,
-    score_fields,
-    scorer_named,
-)
+from darts_dist.evaluate.task_scores import Problem, Scorer, problem_passes, score_fields, scorer_named
 from darts_dist.generation import CorrectedLM
 from darts_dist.merge import merge_methods
 from darts_dist.pipeline import merge_stage

@@ -121,7 +121,8 @@ class Evaluator:
         self, index: int, expert: PreTrainedModel, validation: bool = False, base_passes: list[bool] | None = None,
     ) -> ExpertSide:
         """Run task `index`'s expert over its held-out set (and validation set), reference answers and problems;
-        `base_passes`: the base model's on the same problems (`base_passes`), reported beside the expert's."""
+        `base_passes` are the base model's answers to the same problems (`Evaluator.base_passes`), reported beside
+        the expert's."""
         task = self.config.tasks[index]
         files, settings = self.data[task], self.config.calibration
         scorer, problems = self.scored_problems(task)
