@@ -266,7 +266,7 @@ def fit_demo_router(config, sources, merged_dir):
         return path
     pairs = task_prompts(config, sources, merged_dir, per_task=16)
     with CorrectedLM.load(merged_dir) as lm:
-        features = prompt_features(lm.model, [lm.encode(text) for _, text in pairs], "final", lm._pad_id)
+        features = prompt_features(lm.model, [lm.encode(text) for _, text in pairs], "final", lm.pad_id)
     labels = torch.tensor([config.tasks.index(task) for task, _ in pairs])
     return fit_router(features, labels, config.tasks, "final", threshold=0.5).save(path)
 

@@ -45,7 +45,7 @@ def run_dir(tiny_family, tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_corrections(folder / "corrections.safetensors", strong_corrections(hidden_size),
                      metadata=corrections_metadata(merged_dir))
     with CorrectedLM.load(merged_dir) as plain:
-        features = prompt_features(plain.model, [plain.encode(p) for p in CODE + MATH], "final", plain._pad_id)
+        features = prompt_features(plain.model, [plain.encode(p) for p in CODE + MATH], "final", plain.pad_id)
     fit_router(features, torch.tensor([0] * len(CODE) + [1] * len(MATH)), TASKS, "final",
                threshold=0.5).save(folder / ROUTER_FILE)
     return folder
@@ -149,7 +149,7 @@ def test_likelihoods_are_the_corrected_models(run_dir: Path) -> None:
     prompt = lm.encode_chat([{"role": "user", "content": context}])
     answer = lm.tokenizer(continuation, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([prompt + answer])
-    with lm._weighted(torch.tensor([[0.0, 1.0]])), torch.no_grad():
+    with lm.weighted(torch.tensor([[0.0, 1.0]])), torch.no_grad():
         log_probs = lm.model(input_ids=ids).logits.float().log_softmax(-1)[0]
     expected = sum(log_probs[len(prompt) - 1 + i, token].item() for i, token in enumerate(answer))
     greedy = lm.chat([[{"role": "user", "content": context}]], tasks=["math"], max_new_tokens=3)[0]
@@ -162,7 +162,7 @@ def test_likelihoods_are_the_corrected_models(run_dir: Path) -> None:
     text = "def add(a, b):\n    return a + b"
     prefix = lm.tokenizer.bos_token_id if lm.tokenizer.bos_token_id is not None else lm.tokenizer.eos_token_id
     tokens = [prefix, *lm.tokenizer(text, add_special_tokens=False)["input_ids"]]
-    with lm._weighted(torch.tensor([[0.0, 1.0]])), torch.no_grad():
+    with lm.weighted(torch.tensor([[0.0, 1.0]])), torch.no_grad():
         log_probs = lm.model(input_ids=torch.tensor([tokens])).logits.float().log_softmax(-1)[0]
     expected = sum(log_probs[i, token].item() for i, token in enumerate(tokens[1:]))
     assert model.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)],

@@ -65,7 +65,7 @@ def register_tiny_model(tiny_family, folder: Path) -> SimpleNamespace:
     corrections = save_corrections(folder / "corrections.safetensors", strong_corrections(hidden_size),
                                    metadata=corrections_metadata(merged_dir))
     with CorrectedLM.load(merged_dir) as plain:
-        features = prompt_features(plain.model, [plain.encode(p) for p in CODE + MATH], "final", plain._pad_id)
+        features = prompt_features(plain.model, [plain.encode(p) for p in CODE + MATH], "final", plain.pad_id)
     router = fit_router(features, torch.tensor([0] * len(CODE) + [1] * len(MATH)), TASKS, "final", threshold=0.5)
     router_path = router.save(folder / "router.safetensors")
     uri = f"sqlite:///{folder}/mlflow.db"

@@ -1,0 +1,314 @@
+"""Continuous batching: the engine every darts-dist generation runs through (serving, pyfunc, evaluation).
+
+A running set of sequences shares one left-aligned KV cache. Each `step` drops the cancelled,
+lets waiting sequences join while the batch has room (`max_batch_size` sequences, and a budget of
+`max_batch_tokens` reserved as prompt + max_tokens per sequence), prefills the joiners in one
+forward, then decodes one token for every running sequence in one forward. Finished sequences
+leave at once, so a short answer never waits for a long one and a waiting request never waits for
+a whole batch. Everything is per sequence: its task's correction (the hooks take one task weight
+row per sequence, and position ids count from each sequence's own first token), temperature,
+top_p, stop strings, max_tokens and a random generator of its own.
+
+transformers' own continuous batching (`generate_batch`, a paged cache) is not used: it packs
+every sequence into one flat row, so the correction hooks cannot tell which task a token belongs
+to, and it draws every sequence's sample from one generator, so a seeded request would depend on
+its companions.
+
+`Engine` is the small interface a server needs; `EngineThread` runs a `ContinuousBatcher` on a
+thread of its own, and a GPU engine can take its place behind the same interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from darts_dist.core import token_batch
+from darts_dist.core.batching import mask_positions
+from darts_dist.errors import DartsError
+from darts_dist.generation.kv_cache import BatchCache
+from darts_dist.generation.sampling import new_generator, next_tokens
+from darts_dist.generation.text import Completion, SequenceText
+
+if TYPE_CHECKING:
+    from darts_dist.generation.corrected_lm import CorrectedLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A sequence's decoding settings; temperature 0 is greedy decoding (top_p and seed then do nothing)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SequenceRequest:
+    """One sequence to generate: prompt tokens, its task (None: uncorrected, "auto": routed), its settings;
+    `stream` asks for its text as it becomes final."""
+
+    ids: tuple[int, ...]
+    task: str | None
+    sampling: Sampling
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class Finished:
+    completion: Completion
+    batch_size: int  # the most sequences it was decoded with at once, itself included
+
+
+# What a sequence's listener hears, on the engine's thread: text (streamed requests), then one Finished,
+# or an exception if its forward failed. A cancelled sequence hears nothing more.
+Event = str | Finished | Exception
+Listener = Callable[[Event], None]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int
+    running: int
+    generated_tokens: int  # since the engine started
+
+
+class Ticket:
+    """A submitted sequence, to cancel it."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+
+class Engine(Protocol):
+    """What a server needs of a generation engine."""
+
+    def submit(self, request: SequenceRequest, listener: Listener) -> Ticket: ...
+
+    def cancel(self, ticket: Ticket) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
+
+
+class _Sequence:
+    """A sequence in the batcher: its request, listener, correction, generator and text so far."""
+
+    def __init__(self, request: SequenceRequest, listener: Listener, ticket: Ticket, task_index: int,
+                 generator: torch.Generator, text: SequenceText) -> None:
+        self.request = request
+        self.listener = listener
+        self.ticket = ticket
+        self.task_index = task_index
+        self.generator = generator
+        self.text = text
+        self.weights: torch.Tensor | None = None  # [K] correction weights, set at prefill (routing decides)
+        self.applied: tuple[str | None, float | None] = (None, None)  # the task applied, the router's confidence
+        self.length = len(request.ids)  # tokens in the KV cache
+        self.pending = -1  # the last token drawn, not in the cache yet
+        self.batch_size = 0
+
+    @property
+    def reserved(self) -> int:
+        return len(self.request.ids) + self.request.sampling.max_tokens
+
+
+class ContinuousBatcher:
+    """The scheduler and the batch state; `step` runs one iteration. Not thread-safe except `add` and `cancel`."""
+
+    def __init__(self, lm: CorrectedLM, max_batch_size: int, max_batch_tokens: int | None = None) -> None:
+        self.lm = lm
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.device = next(lm.model.parameters()).device
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self.cache = BatchCache()
+        self.generated_tokens = 0
+        self._lock = threading.Lock()
+
+    def add(self, request: SequenceRequest, listener: Listener) -> Ticket:
+        """Queue a sequence; a DartsError names a request that can never run (unknown task, too long, ...)."""
+        if not request.ids:
+            raise DartsError("a prompt is empty after tokenisation", "send at least one token of text")
+        sampling = request.sampling
+        if sampling.max_tokens < 1:
+            raise DartsError(f"max_new_tokens must be at least 1, got {sampling.max_tokens}")
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+            raise DartsError(f"temperature must be ≥ 0 and top_p in (0, 1], got {sampling.temperature} and "
+                             f"{sampling.top_p}")
+        if self.max_batch_tokens is not None and len(request.ids) + sampling.max_tokens > self.max_batch_tokens:
+            raise DartsError(f"the prompt's {len(request.ids)} tokens and max_tokens {sampling.max_tokens} exceed the "
+                             f"batch's token budget of {self.max_batch_tokens}",
+                             "shorten the prompt, lower max_tokens, or raise serve.max_batch_tokens")
+        ticket = Ticket()
+        text = SequenceText(self.lm.tokenizer, self.lm.eos_ids, sampling.stop, sampling.max_tokens, request.stream)
+        sequence = _Sequence(request, listener, ticket, self.lm.task_index(request.task),
+                             new_generator(sampling.seed, self.device), text)
+        with self._lock:
+            self.waiting.append(sequence)
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """The sequence leaves at the next step; its listener hears nothing more."""
+        ticket.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.waiting), len(self.running), self.generated_tokens)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Drop the cancelled, let waiting sequences join, prefill them, decode one token for every sequence.
+
+        A failed forward fails the sequences it ran (their listeners hear the exception); the batcher goes on.
+        """
+        self._leave([s for s in self.running if s.ticket.cancelled])
+        joining = self._admit()
+        try:
+            if joining:
+                self._prefill(joining)
+            if self.running:
+                self._decode()
+        except Exception as error:  # each sequence's listener gets it; the engine lives on
+            logger.exception("generation failed for %d sequences", len(self.running) + len(joining))
+            failed = self.running + [s for s in joining if s not in self.running]
+            self.running, self.cache = [], BatchCache()
+            for sequence in failed:
+                sequence.listener(error)
+
+    def run_until_idle(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def _admit(self) -> list[_Sequence]:
+        """Waiting sequences, first come first served, while the batch has room for them."""
+        joining: list[_Sequence] = []
+        reserved = sum(s.reserved for s in self.running)
+        with self._lock:
+            while self.waiting and len(self.running) + len(joining) < self.max_batch_size:
+                sequence = self.waiting[0]
+                if sequence.ticket.cancelled:
+                    self.waiting.popleft()
+                    continue
+                if self.max_batch_tokens is not None and reserved + sequence.reserved > self.max_batch_tokens:
+                    break  # it waits for room; later arrivals wait behind it, so long prompts never starve
+                joining.append(self.waiting.popleft())
+                reserved += sequence.reserved
+        return joining
+
+    def _prefill(self, joining: list[_Sequence]) -> None:
+        """The joiners' prompts in one left-padded forward: their KV cache joins the batch's, their first tokens
+        are drawn. Routed sequences are routed first, on the merged model's hidden states of their prompts."""
+        prompts = [s.request.ids for s in joining]
+        weights, applied = self.lm.task_weights([s.task_index for s in joining], prompts)
+        for row, sequence in enumerate(joining):
+            sequence.weights = None if weights is None else weights[row]
+            sequence.applied = applied[row]
+        input_ids, mask = token_batch(prompts, self.lm.pad_id, side="left")
+        cache = DynamicCache(config=self.lm.model.config)
+        logits = self._forward(input_ids, mask, mask_positions(mask), cache, joining)
+        self.cache.join(cache, mask.to(self.device))
+        self.running += joining
+        self._advance(joining, logits)
+
+    def _decode(self) -> None:
+        running = self.running
+        input_ids = torch.tensor([[s.pending] for s in running])
+        positions = torch.tensor([[s.length] for s in running])
+        logits = self._forward(input_ids, self.cache.extend(), positions, self.cache.cache, running)
+        for sequence in running:
+            sequence.length += 1
+        self._advance(running, logits)
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                 sequences: list[_Sequence]) -> torch.Tensor:
+        """Last-position logits [B, V] of one forward, each row under its own sequence's correction."""
+        weights = None if sequences[0].weights is None else torch.stack([s.weights for s in sequences])
+        with self.lm.weighted(weights):
+            output = self.lm.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                                   position_ids=positions.to(self.device), cache=cache, use_cache=True,
+                                   logits_to_keep=1)
+        return output.logits[:, -1]
+
+    def _advance(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        """Draw each sequence's next token (the joiners' after a prefill, everyone's after a decode); hand out
+        its text; finished sequences leave the batch."""
+        settings = [s.request.sampling for s in sequences]
+        tokens = next_tokens(logits, [s.temperature for s in settings], [s.top_p for s in settings],
+                             [s.generator for s in sequences])
+        self.generated_tokens += len(tokens)
+        finished = []
+        for sequence, token in zip(sequences, tokens):
+            sequence.batch_size = max(sequence.batch_size, len(self.running))
+            delta, reason = sequence.text.add(token)
+            if delta:
+                sequence.listener(delta)
+            if reason is None:
+                sequence.pending = token
+                continue
+            task, confidence = sequence.applied
+            completion = sequence.text.completion(len(sequence.request.ids), reason)
+            if sequence.request.stream and sequence.text.rest():
+                sequence.listener(sequence.text.rest())
+            sequence.listener(Finished(replace(completion, task=task, confidence=confidence), sequence.batch_size))
+            finished.append(sequence)
+        self._leave(finished)
+
+    def _leave(self, leaving: list[_Sequence]) -> None:
+        if not leaving:
+            return
+        kept = [row for row, s in enumerate(self.running) if s not in leaving]
+        self.cache.keep(kept)
+        self.running = [self.running[row] for row in kept]
+
+
+class EngineThread:
+    """A `ContinuousBatcher` stepping on a thread of its own while it has work: the `Engine` of a server."""
+
+    def __init__(self, batcher: ContinuousBatcher) -> None:
+        self.batcher = batcher
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="darts-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: SequenceRequest, listener: Listener) -> Ticket:
+        ticket = self.batcher.add(request, listener)
+        with self._wake:
+            self._wake.notify()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        self.batcher.cancel(ticket)
+
+    def stats(self) -> EngineStats:
+        return self.batcher.stats()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._closed or self.batcher.has_work())
+                if self._closed:
+                    return
+            self.batcher.step()

@@ -1,0 +1,189 @@
+"""The continuous-batching engine: per-sequence tasks, sampling and seeds inside one running batch, checked
+against transformers' own generate() and against each sequence generated alone."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from test_generation import PROMPTS, strong_corrections
+
+from darts_dist.core import one_hot_tasks, token_batch
+from darts_dist.errors import DartsError
+from darts_dist.generation import (ContinuousBatcher, CorrectedLM, EngineStats, EngineThread, Finished, Sampling,
+                                   SequenceRequest)
+from darts_dist.generation.sampling import top_p_probabilities
+
+MORE = ["def scale(values, k):", "Question: 3 + 4 =", "Instruction: Name a colour", "import numpy as"]
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_family) -> CorrectedLM:
+    merged = CorrectedLM.load(tiny_family.base)
+    return CorrectedLM(merged.model, merged.tokenizer, strong_corrections(merged.model.config.hidden_size))
+
+
+def reference(lm: CorrectedLM, prompts: list[str], tasks: list[str | None], max_new_tokens: int) -> list[list[int]]:
+    """transformers' generate(), greedy, on a left-padded batch with each row's correction set on the hooks."""
+    encoded = [lm.encode(p) for p in prompts]
+    input_ids, mask = token_batch(encoded, lm.pad_id, side="left")
+    weights = one_hot_tasks(torch.tensor([lm.task_index(t) for t in tasks]), len(lm.tasks))
+    with lm.weighted(weights), torch.no_grad():
+        out = lm.model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                do_sample=False, pad_token_id=lm.pad_id, eos_token_id=None)
+    return out[:, input_ids.shape[1]:].tolist()
+
+
+class Collect:
+    """A listener per sequence: its text pieces and its Finished event."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.finished: Finished | None = None
+
+    def __call__(self, event) -> None:
+        if isinstance(event, Exception):
+            raise event
+        if isinstance(event, Finished):
+            self.finished = event
+        else:
+            self.pieces.append(event)
+
+
+def greedy(max_tokens: int, **options) -> Sampling:
+    return Sampling(max_tokens, **options)
+
+
+def test_greedy_tokens_equal_transformers_generate_under_each_rows_correction(lm: CorrectedLM) -> None:
+    prompts, tasks = PROMPTS + MORE[:1], ["code", None, "math", "math"]
+    expected = reference(lm, prompts, tasks, 10)
+    batcher = ContinuousBatcher(lm, max_batch_size=4)
+    order = [tuple(lm.encode(p)) for p in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    # Listen to the tokens themselves: the engine's draws, before any decoding to text.
+    original = batcher._advance
+
+    def spy(sequences, logits):
+        for sequence, token in zip(sequences, logits.argmax(-1).tolist()):
+            tokens[order.index(sequence.request.ids)].append(token)
+        original(sequences, logits)
+
+    batcher._advance = spy
+    for prompt, task in zip(prompts, tasks):
+        batcher.add(SequenceRequest(tuple(lm.encode(prompt)), task, greedy(10)), Collect())
+    batcher.run_until_idle()
+    assert tokens == expected
+
+
+def test_a_sequence_joining_a_running_batch_gets_its_text_alone(lm: CorrectedLM) -> None:
+    alone = {(p, t): lm.generate([p], [t], max_new_tokens=16)[0] for p, t in
+             [(PROMPTS[0], "code"), (MORE[1], "math"), (MORE[2], None), (PROMPTS[1], "code")]}
+    batcher = ContinuousBatcher(lm, max_batch_size=3)
+    listeners = {}
+
+    def add(prompt: str, task: str | None) -> None:
+        listeners[prompt, task] = Collect()
+        batcher.add(SequenceRequest(tuple(lm.encode(prompt)), task, greedy(16)), listeners[prompt, task])
+
+    add(PROMPTS[0], "code")
+    for _ in range(5):
+        batcher.step()
+    add(MORE[1], "math")  # joins mid-way, with a shorter prompt
+    batcher.step()
+    add(MORE[2], None)
+    add(PROMPTS[1], "code")  # waits: the batch is full until someone finishes
+    batcher.run_until_idle()
+    for key, listener in listeners.items():
+        assert listener.finished.completion == alone[key], key
+    assert listeners[MORE[1], "math"].finished.batch_size >= 2
+
+
+def test_a_seeded_sample_is_the_same_alone_and_in_a_mixed_batch(lm: CorrectedLM) -> None:
+    sampled = Sampling(12, temperature=1.0, top_p=0.9, seed=7)
+    [alone] = lm.generate_ids([lm.encode(PROMPTS[1])], ["math"], max_new_tokens=12, temperature=1.0, top_p=0.9,
+                              seed=7)
+    batcher = ContinuousBatcher(lm, max_batch_size=8)
+    mine = Collect()
+    batcher.add(SequenceRequest(tuple(lm.encode(MORE[0])), "code", Sampling(12, temperature=0.7, seed=3)), Collect())
+    batcher.add(SequenceRequest(tuple(lm.encode(MORE[3])), None, greedy(4)), Collect())
+    batcher.step()
+    batcher.step()
+    batcher.add(SequenceRequest(tuple(lm.encode(PROMPTS[1])), "math", sampled), mine)
+    batcher.add(SequenceRequest(tuple(lm.encode(PROMPTS[2])), "code", Sampling(9, temperature=1.5, seed=7)), Collect())
+    batcher.run_until_idle()
+    assert mine.finished.completion == alone
+    # Another seed draws another text: the seed is really used.
+    [other] = lm.generate_ids([lm.encode(PROMPTS[1])], ["math"], max_new_tokens=12, temperature=1.0, top_p=0.9,
+                              seed=8)
+    assert other.text != alone.text
+
+
+def test_streamed_pieces_add_up_to_the_text_and_stop_before_a_stop_string(lm: CorrectedLM) -> None:
+    [full] = lm.generate([MORE[0]], ["code"], max_new_tokens=20)
+    stop = full.text[5:8]
+    batcher = ContinuousBatcher(lm, max_batch_size=2)
+    listeners = [Collect(), Collect()]
+    for listener, stops in zip(listeners, [(), (stop,)]):
+        batcher.add(SequenceRequest(tuple(lm.encode(MORE[0])), "code", greedy(20, stop=stops), stream=True), listener)
+    batcher.run_until_idle()
+    plain, cut = listeners
+    assert "".join(plain.pieces) == plain.finished.completion.text == full.text
+    assert len([p for p in plain.pieces if p]) > 1
+    assert "".join(cut.pieces) == cut.finished.completion.text == full.text[: full.text.find(stop)]
+    assert cut.finished.completion.finish_reason == "stop"
+
+
+def test_a_cancelled_sequence_frees_its_slot_at_the_next_step(lm: CorrectedLM) -> None:
+    batcher = ContinuousBatcher(lm, max_batch_size=1)
+    long, short = Collect(), Collect()
+    ticket = batcher.add(SequenceRequest(tuple(lm.encode(PROMPTS[0])), "code", greedy(200)), long)
+    batcher.add(SequenceRequest(tuple(lm.encode(MORE[1])), "math", greedy(3)), short)
+    for _ in range(3):  # a prefill and a decode, then two decodes: 4 tokens
+        batcher.step()
+    assert batcher.stats() == EngineStats(waiting=1, running=1, generated_tokens=4)
+    batcher.cancel(ticket)
+    batcher.step()  # the cancelled one leaves; the waiting one joins, is prefilled and decoded in the same step
+    assert batcher.stats() == EngineStats(waiting=0, running=1, generated_tokens=6)
+    batcher.run_until_idle()
+    assert long.finished is None
+    assert short.finished.completion == lm.generate([MORE[1]], ["math"], max_new_tokens=3)[0]
+    assert batcher.stats() == EngineStats(waiting=0, running=0, generated_tokens=7)
+
+
+def test_the_token_budget_holds_sequences_back_until_there_is_room(lm: CorrectedLM) -> None:
+    prompts = [lm.encode(p) for p in MORE[:3]]
+    budget = max(len(ids) for ids in prompts) + 8
+    batcher = ContinuousBatcher(lm, max_batch_size=8, max_batch_tokens=budget)
+    listeners = [Collect() for _ in prompts]
+    for ids, listener in zip(prompts, listeners):
+        batcher.add(SequenceRequest(tuple(ids), None, greedy(8)), listener)
+    batcher.run_until_idle()
+    assert [listener.finished.batch_size for listener in listeners] == [1, 1, 1]
+    with pytest.raises(DartsError, match="token budget"):
+        batcher.add(SequenceRequest(tuple(prompts[0]), None, greedy(budget)), Collect())
+
+
+def test_the_engine_thread_serves_submissions_from_other_threads(lm: CorrectedLM) -> None:
+    engine = EngineThread(ContinuousBatcher(lm, max_batch_size=4))
+    try:
+        listeners = [Collect() for _ in MORE]
+        for prompt, listener in zip(MORE, listeners):
+            engine.submit(SequenceRequest(tuple(lm.encode(prompt)), "math", greedy(6)), listener)
+        deadline = time.monotonic() + 120
+        while any(listener.finished is None for listener in listeners):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert [listener.finished.completion for listener in listeners] == lm.generate(MORE, ["math"] * 4,
+                                                                                        max_new_tokens=6)
+        assert engine.stats().running == 0
+    finally:
+        engine.close()
+
+
+def test_top_p_keeps_the_smallest_set_of_tokens_reaching_the_mass() -> None:
+    logits = torch.log(torch.tensor([0.1, 0.5, 0.15, 0.25]))
+    kept = top_p_probabilities(logits, temperature=1.0, top_p=0.7)
+    # 0.5 alone is short of 0.7; 0.5 + 0.25 reaches it: the two kept, the rest zero.
+    assert torch.allclose(kept, torch.tensor([0.0, 0.5, 0.0, 0.25]))
+    assert torch.allclose(top_p_probabilities(logits, 2.0, 1.0), torch.softmax(logits / 2.0, -1))
