@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from darts_dist.errors import DartsError
 
+logger = logging.getLogger(__name__)
 PositiveInt = Annotated[int, Field(gt=0)]
 Layer = int | Literal["final"]
 # What a run folder (OUTPUT_DIR/NAME) holds, by name; the router's file is core.ROUTER_FILE.
@@ -198,9 +200,11 @@ class ServeSection(_Section):
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: PositiveInt = 32
     max_tokens_limit: PositiveInt = 512
-    # Dynamic batching: requests arriving within the wait are generated together, up to the batch size.
-    max_batch_size: PositiveInt = 16
-    batch_wait_timeout_s: float = Field(default=0.01, ge=0.0)
+    # Continuous batching: at every decoding step finished sequences leave and waiting ones join, up to
+    # max_batch_size sequences whose prompt + max_tokens add up to at most max_batch_tokens (the KV cache's
+    # budget: about 46 kB a token for SmolLM2-135M in fp32, so 16384 tokens hold 0.75 GB).
+    max_batch_size: PositiveInt = 32
+    max_batch_tokens: PositiveInt = 16384
     use_gpu: bool = False  # one GPU per replica
     num_cpus: float = Field(default=1.0, gt=0.0)  # per replica; also its torch threads
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # on GPUs; the CPU computes fp32
@@ -215,6 +219,16 @@ class ServeSection(_Section):
     max_request_bytes: PositiveInt = 1024 * 1024
     body_timeout_s: float = Field(default=30.0, gt=0.0)
     request_timeout_s: float | None = Field(default=600.0, gt=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, values: Any) -> Any:
+        # Registered versions of darts-dist 0.2 carry the dynamic batcher's wait; continuous batching has none.
+        if isinstance(values, dict) and "batch_wait_timeout_s" in values:
+            values = {key: value for key, value in values.items() if key != "batch_wait_timeout_s"}
+            logger.warning("serve.batch_wait_timeout_s is ignored: continuous batching starts each sequence at the "
+                           "next decoding step; remove the key")
+        return values
 
 
 class RunConfig(_Section):

@@ -29,7 +29,7 @@ from test_generation import PROMPTS, TASKS, strong_corrections
 from darts_dist.calibrate.corrections import corrections_metadata
 from darts_dist.calibrate.features import prompt_features
 from darts_dist.calibrate.router import fit_router
-from darts_dist.config import parse_config
+from darts_dist.config import ServeSection, parse_config
 from darts_dist.core import ROUTED, save_corrections
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
@@ -43,7 +43,7 @@ import serve_load  # noqa: E402  (benchmarks/ is no package; its run_load needs 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-served"
 KEY = "test-key-123"
-LIMIT = 32  # serve.max_tokens_limit
+LIMIT = 400  # serve.max_tokens_limit: long enough that a stream cut early is far from its end
 MAX_BYTES = 64 * 1024  # serve.max_request_bytes
 BODY_TIMEOUT = 8.0  # serve.body_timeout_s
 CODE = [f"def {name}(values, k={i}):" for i, name in enumerate(["scale", "shift", "clip", "norm", "pad", "mix"])]
@@ -76,10 +76,9 @@ def register_tiny_model(tiny_family, folder: Path) -> SimpleNamespace:
         "sources": {"base": str(tiny_family.base),
                     "experts": [{"task": t, "path": str(tiny_family.experts[t])} for t in TASKS]},
         "tracking": {"registered_model": MODEL},
-        # A long batch wait, so that requests sent together are surely generated together; small body limits,
-        # so that the tests of oversized and slow bodies are quick.
-        "serve": {"max_tokens_limit": LIMIT, "max_batch_size": 8, "batch_wait_timeout_s": 0.3,
-                  "max_request_bytes": MAX_BYTES, "body_timeout_s": BODY_TIMEOUT},
+        # Small body limits, so that the tests of oversized and slow bodies are quick.
+        "serve": {"max_tokens_limit": LIMIT, "max_batch_size": 8, "max_request_bytes": MAX_BYTES,
+                  "body_timeout_s": BODY_TIMEOUT},
     })
     client.log_text(run_id, json.dumps(config.model_dump(mode="json")), "config.json")
     client.log_metric(run_id, DECISIVE_METRIC, 1.0)
@@ -98,7 +97,9 @@ def server(tiny_family, tmp_path_factory: pytest.TempPathFactory):
     port = free_port()
     log_path = folder / "serve.log"
     log = log_path.open("w")
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registry.uri, "RAY_AUTH_MODE": "disabled"}
+    # Metrics exported every second instead of every ten, so the metrics test reads them soon.
+    env = {**os.environ, "MLFLOW_TRACKING_URI": registry.uri, "RAY_AUTH_MODE": "disabled",
+           "RAY_metrics_report_interval_ms": "1000"}
     env.pop("RAY_ADDRESS", None)
     # A session of its own: the test's Ctrl-C is not the server's, and a leftover group can be killed whole.
     process = subprocess.Popen(
@@ -206,28 +207,41 @@ def test_a_raw_stream_is_server_sent_events_ending_in_done(server) -> None:
     assert json.loads(events[0][6:])["object"] == "text_completion"
 
 
-def test_different_tasks_in_one_batch_each_get_their_own_correction(server) -> None:
-    tasks = {f"{MODEL}:code": "code", f"{MODEL}:math": "math", f"{MODEL}:merged": None}
+def test_different_tasks_in_one_running_batch_each_get_their_own_correction(server) -> None:
+    tasks = {f"{MODEL}:code": "code", f"{MODEL}:math": "math", f"{MODEL}:merged": None, MODEL: ROUTED}
 
     def complete(model_id: str):
-        return server.client.completions.create(model=model_id, prompt=PROMPTS[2], max_tokens=10, temperature=0)
+        return server.client.completions.create(model=model_id, prompt=MATH[1], max_tokens=24, temperature=0)
 
     with ThreadPoolExecutor(len(tasks)) as pool:
         replies = dict(zip(tasks, pool.map(complete, tasks)))
     texts = set()
     for model_id, task in tasks.items():
-        [own] = server.lm.generate(PROMPTS[2:], [task], max_new_tokens=10)
+        [own] = server.lm.generate(MATH[1:2], [task], max_new_tokens=24)
         choice = replies[model_id].choices[0]
         assert choice.text == own.text, model_id
-        assert choice.model_dump()["darts"] == {"task": task, "confidence": None, "batch_size": 3}
+        darts = choice.model_dump()["darts"]
+        assert darts["task"] == (own.task if task == ROUTED else task)
+        assert 1 <= darts["batch_size"] <= len(tasks)
         texts.add(choice.text)
-    assert len(texts) == 3  # the corrections really differ
+    assert len(texts) == 3  # the corrections really differ (the routed word problem gets math's)
 
 
-def test_seeded_sampling_is_reproducible(server) -> None:
+def test_a_seeded_request_gives_the_same_text_alone_and_among_others(server) -> None:
     options = {"model": f"{MODEL}:math", "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 1.0, "top_p": 0.9}
     first = server.client.completions.create(**options, seed=7).choices[0].text
-    assert server.client.completions.create(**options, seed=7).choices[0].text == first
+    [own] = server.lm.generate(PROMPTS[1:2], ["math"], max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    assert first == own.text
+
+    def other(index: int):  # companions with other seeds, tasks and settings
+        return server.client.completions.create(model=f"{MODEL}:code", prompt=CODE[index], max_tokens=20,
+                                                temperature=0.8, seed=index)
+
+    with ThreadPoolExecutor(5) as pool:
+        companions = [pool.submit(other, i) for i in range(4)]
+        mine = pool.submit(server.client.completions.create, **options, seed=7)
+        assert mine.result().choices[0].text == first
+        assert all(c.result().choices for c in companions)
 
 
 BAD_REQUESTS = [
@@ -268,8 +282,8 @@ def test_the_api_key_is_enforced(server) -> None:
     status, reply = post(server, "/v1/completions", {"model": f"{MODEL}:code", "prompt": "hi"}, key=None)
     assert status == 401 and reply["error"]["code"] == "invalid_api_key"
     # Health checks need no key.
-    with urllib.request.urlopen(f"{server.base}/healthz", timeout=10) as response:
-        assert json.loads(response.read()) == {"status": "ok", "model": MODEL}
+    assert {key: value for key, value in health(server).items() if key in ("status", "model")} == {
+        "status": "ok", "model": MODEL}
 
 
 def test_the_serve_deploy_yaml_is_valid_and_its_builder_builds_the_app(server) -> None:
@@ -296,7 +310,11 @@ def test_serve_settings_layer_the_run_config_a_yaml_and_flags(tmp_path: Path) ->
     override.write_text(yaml.safe_dump({"sources": {"base": "b", "experts": [{"task": "code", "path": "e"}]},
                                         "serve": {"routing": "soft"}}))
     settings = serve_settings(run, override, port=8100)
-    assert (settings.routing, settings.port, settings.max_batch_size) == ("soft", 8100, 16)
+    assert (settings.routing, settings.port, settings.max_batch_size) == ("soft", 8100, ServeSection().max_batch_size)
+    # The dynamic batcher's wait, in the configs of versions registered before continuous batching, is ignored.
+    old = parse_config({"sources": {"base": "b", "experts": [{"task": "code", "path": "e"}]},
+                        "serve": {"batch_wait_timeout_s": 0.3, "max_batch_size": 4}})
+    assert old.serve.max_batch_size == 4 and "batch_wait_timeout_s" not in old.serve.model_dump()
 
 
 def test_a_run_folder_or_model_folder_resolves_to_its_files(server, tmp_path: Path) -> None:
@@ -398,8 +416,51 @@ def test_slow_clients_do_not_hold_up_other_requests(server) -> None:
     finally:
         for sock in stalled_heads + stalled_bodies:
             sock.close()
+    assert health(server)["status"] == "ok"
+
+
+def health(server) -> dict:
     with urllib.request.urlopen(f"{server.base}/healthz", timeout=10) as response:
-        assert json.loads(response.read())["status"] == "ok"
+        return json.loads(response.read())
+
+
+def test_a_disconnected_stream_frees_its_slot(server) -> None:
+    prompt = MATH[2]
+    [whole] = server.lm.generate([prompt], None, max_new_tokens=LIMIT)
+    assert whole.completion_tokens > 100  # long enough that a cut stream is far from its end
+    before = health(server)["generated_tokens"]
+    body = json.dumps({"model": f"{MODEL}:merged", "prompt": prompt, "max_tokens": LIMIT, "temperature": 0,
+                       "stream": True}).encode()
+    request = urllib.request.Request(f"{server.base}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    response = urllib.request.urlopen(request, timeout=60)
+    assert response.readline().startswith(b"data: ")  # it is streaming...
+    response.close()  # ...and the client goes away
+    deadline = time.monotonic() + 30
+    while health(server)["running"]:
+        assert time.monotonic() < deadline, "the cut stream's sequence is still running"
+        time.sleep(0.05)
+    # It left long before its end, and the next request is served at once.
+    assert health(server)["generated_tokens"] - before < whole.completion_tokens / 2
+    reply = server.client.completions.create(model=f"{MODEL}:math", prompt=MATH[0], max_tokens=4, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_engine_reports_prometheus_metrics(server) -> None:
+    [line] = [line for line in server.log.read_text().splitlines() if "Prometheus metrics" in line]
+    url = line.split(" at ")[-1].strip()
+    deadline = time.monotonic() + 60
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            exported = response.read().decode()
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in exported.splitlines()
+                  if line.startswith("ray_darts_serve_")}
+        if values.get("ray_darts_serve_generated_tokens_total", 0) > 0:
+            break
+        assert time.monotonic() < deadline, sorted(values)
+        time.sleep(1)
+    assert {"ray_darts_serve_waiting_sequences", "ray_darts_serve_running_sequences",
+            "ray_darts_serve_tokens_per_second"} <= set(values)
 
 
 def test_a_bounded_mixed_load_gets_no_5xx_and_no_lost_responses(server) -> None:

@@ -152,7 +152,8 @@ import importlib.util, json, sys
 assert importlib.util.find_spec("darts_dist") is None, "darts_dist is importable without the model's code"
 import mlflow, pandas as pd
 model = mlflow.pyfunc.load_model({uri!r})
-out = model.predict(pd.DataFrame({{"prompt": [{prompt!r}], "task": [{task!r}]}}), params={{"max_new_tokens": 10}})
+frame = pd.DataFrame({{"prompt": {prompts!r}, "task": {tasks!r}}})
+out = model.predict(frame, params={{"max_new_tokens": 10, "max_batch_size": 2}})
 import darts_dist
 print(json.dumps({{"records": out.to_dict(orient="records"), "code": darts_dist.__file__}}))
 """
@@ -193,17 +194,18 @@ def test_the_champion_loads_with_only_its_requirements_and_generates_like_darts_
     assert all("==" in line and "+" not in line for line in logged)  # pinned, without local build labels (+cpu)
     env = {**os.environ, "MLFLOW_TRACKING_URI": tracked.uri,
            "PYTHONPATH": str(requirements_environment(logged, tmp_path))}
-    script = ISOLATED_LOAD.format(uri=uri, prompt=PROMPT, task=TASK)
+    # More rows than the engine's batch: later rows join as earlier ones finish.
+    prompts, tasks = [PROMPT, "Question: 3 + 4 =", "import numpy as", "x = "], [TASK, None, TASK, None]
+    script = ISOLATED_LOAD.format(uri=uri, prompts=prompts, tasks=tasks)
     result = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert "/code/darts_dist/" in loaded["code"]  # the copy the model carries
-    [served] = loaded["records"]
     lm = CorrectedLM.load(tracked.run_dir / "merged", tracked.run_dir / "corrections.safetensors")
-    [own] = lm.generate([PROMPT], [TASK], max_new_tokens=10)
-    assert served == {"text": own.text, "finish_reason": own.finish_reason,
-                      "prompt_tokens": own.prompt_tokens, "completion_tokens": own.completion_tokens}
+    own = [lm.generate([prompt], [task], max_new_tokens=10)[0] for prompt, task in zip(prompts, tasks)]
+    assert loaded["records"] == [{"text": c.text, "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens,
+                                  "completion_tokens": c.completion_tokens} for c in own]
 
 
 def _evaluated_run(tracked, value: float) -> str:

@@ -20,14 +20,16 @@ thread of its own, and a GPU engine can take its place behind the same interface
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
 from darts_dist.core import token_batch
@@ -36,9 +38,6 @@ from darts_dist.errors import DartsError
 from darts_dist.generation.kv_cache import BatchCache
 from darts_dist.generation.sampling import new_generator, next_tokens
 from darts_dist.generation.text import Completion, SequenceText
-
-if TYPE_CHECKING:
-    from darts_dist.generation.corrected_lm import CorrectedLM
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +102,23 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class CorrectedModel(Protocol):
+    """What the batcher uses of a `CorrectedLM`: the model with its correction hooks, the tokenizer, and
+    each sequence's task weights (the router's pick for routed ones)."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    eos_ids: set[int]
+    pad_id: int
+
+    def task_index(self, task: str | None) -> int: ...
+
+    def task_weights(self, task_ids: list[int], encoded: Sequence[Sequence[int]]
+                     ) -> tuple[torch.Tensor | None, list[tuple[str | None, float | None]]]: ...
+
+    def weighted(self, weights: torch.Tensor | None) -> contextlib.AbstractContextManager[None]: ...
+
+
 class _Sequence:
     """A sequence in the batcher: its request, listener, correction, generator and text so far."""
 
@@ -128,7 +144,7 @@ class _Sequence:
 class ContinuousBatcher:
     """The scheduler and the batch state; `step` runs one iteration. Not thread-safe except `add` and `cancel`."""
 
-    def __init__(self, lm: CorrectedLM, max_batch_size: int, max_batch_tokens: int | None = None) -> None:
+    def __init__(self, lm: CorrectedModel, max_batch_size: int, max_batch_tokens: int | None = None) -> None:
         self.lm = lm
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens

@@ -2,11 +2,12 @@
 
 One deployment, `DartsServer`, with a FastAPI ingress. Each replica loads the model once
 (merged weights + corrections + router, from the registry or local files) and generates through
-`CorrectedLM`, like the pyfunc model does. Requests are validated in the ingress and then split
-into sequences; `@serve.batch` gathers the sequences that arrive together and generates them in
-one batch, each under its own model id's task; sequences whose sampling settings differ are
-generated one group after the other within the batch. Generation runs on one worker thread
-while the event loop streams each sequence's text as it becomes final.
+the continuous-batching engine (`generation.engine`) on a thread of its own: every sequence of
+every request joins the running batch at the next decoding step and leaves it when it finishes,
+each with its own model id's task, sampling settings, stop strings and seed. The event loop
+streams each sequence's text as it becomes final; a request whose client went away is cancelled
+and its sequences leave the batch at the next step. The engine's queue, running set and token
+rate are Ray Serve metrics (Prometheus, through Ray's metrics export).
 
 Model ids (`serve.model.model_ids`): `NAME:<task>` applies that task's correction, `NAME` lets the router
 choose (or apply none below its threshold), `NAME:merged` is the uncorrected merged model.
@@ -16,15 +17,15 @@ choose (or apply none below its threshold), `NAME:merged` is the uncorrected mer
 # FastAPI must see `Request` as a class, not a string, to inject it.
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -32,13 +33,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve import metrics
 from ray.serve.config import AutoscalingConfig
 from ray.serve.deployment import Application
 
 from darts_dist.config import ServeSection
 from darts_dist.errors import DartsError
-from darts_dist.fanin import fan_in_async
-from darts_dist.generation import Completion, CorrectedLM
+from darts_dist.generation import (Completion, ContinuousBatcher, CorrectedLM, Engine, EngineThread, Event, Finished,
+                                   Sampling, SequenceRequest)
 from darts_dist.serve.model import ModelSource, model_ids, resolve_model, serve_settings
 from darts_dist.serve.openai_api import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -58,83 +60,38 @@ from darts_dist.sources.models import model_dtype
 logger = logging.getLogger(__name__)
 API_KEY_ENV = "DARTS_DIST_API_KEY"
 APP_NAME = "darts-dist"
+METRICS_INTERVAL_S = 1.0
 
 
 # --- the deployment ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """A sequence's generation settings; sequences with equal settings are generated together."""
+class EngineMetrics:
+    """The engine's waiting and running sequences, generated tokens and tokens/s as Ray Serve metrics, read every
+    METRICS_INTERVAL_S on a thread of their own; Serve tags them with the deployment and replica."""
 
-    max_tokens: int
-    temperature: float
-    top_p: float
-    stop: tuple[str, ...]
-    seed: int | None
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.waiting = metrics.Gauge("darts_serve_waiting_sequences", "sequences waiting to join the running batch")
+        self.running = metrics.Gauge("darts_serve_running_sequences", "sequences in the running batch")
+        self.tokens = metrics.Counter("darts_serve_generated_tokens", "tokens generated since the replica started")
+        self.rate = metrics.Gauge("darts_serve_tokens_per_second", "tokens generated per second, last interval")
+        self._stop = threading.Event()
+        threading.Thread(target=self._report, name="darts-metrics", daemon=True).start()
 
+    def _report(self) -> None:
+        reported, then = 0, time.monotonic()
+        while not self._stop.wait(METRICS_INTERVAL_S):
+            stats, now = self.engine.stats(), time.monotonic()
+            self.waiting.set(stats.waiting)
+            self.running.set(stats.running)
+            if stats.generated_tokens > reported:
+                self.tokens.inc(stats.generated_tokens - reported)
+            self.rate.set((stats.generated_tokens - reported) / (now - then))
+            reported, then = stats.generated_tokens, now
 
-@dataclass(frozen=True)
-class SequenceRequest:
-    ids: tuple[int, ...]
-    task: str | None
-    sampling: Sampling
-    stream: bool
-
-
-@dataclass(frozen=True)
-class Finished:
-    completion: Completion
-    batch_size: int  # sequences generated together with this one
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: ApiError
-
-
-# A batch's events per sequence: text (possibly ""), then one Finished or Failed. After the last
-# event list, run_batch emits None: a plain value, because Serve pickles the ingress class by value and
-# a sentinel object() would arrive in the replica as a copy of itself.
-Event = str | Finished | Failed
-
-
-def run_batch(lm: CorrectedLM, requests: Sequence[SequenceRequest], emit: Callable[[object], None]) -> None:
-    """Generate a batch, one group of equal sampling settings at a time, emitting one event list per step.
-
-    A group that fails fails alone: its sequences get Failed, the other groups still run.
-    """
-    count = len(requests)
-    groups: dict[Sampling, list[int]] = {}
-    for index, request in enumerate(requests):
-        groups.setdefault(request.sampling, []).append(index)
-    try:
-        for sampling, members in groups.items():
-
-            def on_text(deltas: list[str], members: list[int] = members) -> None:
-                events: list[Event] = [""] * count
-                for index, delta in zip(members, deltas):
-                    events[index] = delta
-                emit(events)
-
-            streaming = any(requests[i].stream for i in members)
-            events: list[Event] = [""] * count
-            try:
-                completions = lm.generate_ids(
-                    [requests[i].ids for i in members], [requests[i].task for i in members],
-                    max_new_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                    stop=sampling.stop, seed=sampling.seed, on_text=on_text if streaming else None,
-                )
-                for index, completion in zip(members, completions):
-                    events[index] = Finished(completion, len(members))
-            except Exception as error:  # the replica lives on; these requests get a 500 (or 400) each
-                logger.exception("generation failed for %d sequences", len(members))
-                status = 400 if isinstance(error, DartsError) else 500
-                for index in members:
-                    events[index] = Failed(ApiError(status, f"generation failed: {error}"))
-            emit(events)
-    finally:
-        emit(None)
+    def close(self) -> None:
+        self._stop.set()
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -192,14 +149,21 @@ class DartsServer:
         self.context = int(self.lm.model.config.max_position_embeddings)
         self.api_key = api_key
         self.created = int(time.time())
-        # One thread: the model's correction hooks hold one batch's task weights at a time.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="darts-generate")
-        self.generate_batch.set_max_batch_size(settings.max_batch_size)
-        self.generate_batch.set_batch_wait_timeout_s(settings.batch_wait_timeout_s)
+        # One engine thread: the model's correction hooks hold one forward's task weights at a time.
+        self.engine: Engine = EngineThread(ContinuousBatcher(self.lm, settings.max_batch_size,
+                                                             settings.max_batch_tokens))
+        self.metrics = EngineMetrics(self.engine)
+
+    def __del__(self) -> None:
+        # Serve deletes a replica it stops; its threads go with it.
+        self.metrics.close()
+        self.engine.close()
 
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, str]:
-        return {"status": "ok", "model": self.name}
+    async def healthz(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        return {"status": "ok", "model": self.name, "waiting": stats.waiting, "running": stats.running,
+                "generated_tokens": stats.generated_tokens}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
@@ -259,6 +223,10 @@ class DartsServer:
             raise ApiError(400, f"this model's context is {self.context} tokens, but the prompt has {len(ids)} "
                            f"and max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens",
                            param="prompt", code="context_length_exceeded")
+        if len(ids) + max_tokens > self.settings.max_batch_tokens:
+            raise ApiError(400, f"the prompt's {len(ids)} tokens and max_tokens {max_tokens} exceed this server's "
+                           f"batch budget of {self.settings.max_batch_tokens} tokens (serve.max_batch_tokens); "
+                           "shorten the prompt or lower max_tokens", param="prompt", code="context_length_exceeded")
 
     async def respond(
         self, body: CompletionRequest | ChatRequest, task: str | None, encoded: list[list[int]], max_tokens: int,
@@ -275,17 +243,10 @@ class DartsServer:
         if body.stream:
             return StreamingResponse(self.stream(rid, body, requests, chat), media_type="text/event-stream")
         results: dict[int, Finished] = {}
-        try:
-            async for index, event in fan_in_async({i: self.generate_batch(r) for i, r in enumerate(requests)}):
-                if isinstance(event, Failed):
-                    raise event.error
+        async with contextlib.aclosing(self.generate(rid, requests)) as events:
+            async for index, event in events:
                 if isinstance(event, Finished):
                     results[index] = event
-        except ApiError:
-            raise
-        except Exception as error:  # a failed batch fails its requests, never the replica
-            logger.exception("request %s failed", rid)
-            raise ApiError(500, f"generation failed: {error}") from None
         return completion_response(rid, self.created, body.model,
                                    [(results[i].completion, results[i].batch_size) for i in range(len(requests))], chat)
 
@@ -298,14 +259,14 @@ class DartsServer:
         if chat:
             yield sse(role_chunk(rid, self.created, body.model))
         try:
-            async for index, event in fan_in_async({i: self.generate_batch(r) for i, r in enumerate(requests)}):
-                if isinstance(event, Failed):
-                    raise event.error
-                if isinstance(event, Finished):
-                    finished.append(event.completion)
-                    yield sse(chunk(rid, self.created, body.model, index, None, event.completion.finish_reason, chat))
-                elif event:
-                    yield sse(chunk(rid, self.created, body.model, index, event, None, chat))
+            async with contextlib.aclosing(self.generate(rid, requests)) as events:
+                async for index, event in events:
+                    if isinstance(event, Finished):
+                        finished.append(event.completion)
+                        yield sse(chunk(rid, self.created, body.model, index, None, event.completion.finish_reason,
+                                        chat))
+                    elif event:
+                        yield sse(chunk(rid, self.created, body.model, index, event, None, chat))
             if body.include_usage:
                 yield sse(usage_chunk(rid, self.created, body.model, finished, chat))
         except ApiError as error:
@@ -315,22 +276,35 @@ class DartsServer:
             yield sse(ApiError(500, f"generation failed: {error}").body())
         yield DONE
 
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.01)
-    async def generate_batch(self, requests: list[SequenceRequest]) -> AsyncIterator[list[object]]:
-        """The sequences that arrived together, generated as one batch; per step, one event for each
-        (StopIteration once a sequence has finished, which tells Serve that its stream ended)."""
+    async def generate(self, rid: str, requests: list[SequenceRequest]) -> AsyncIterator[tuple[int, str | Finished]]:
+        """(sequence index, text or Finished) as the engine produces them, until every sequence has finished.
+
+        However this ends (done, failed, or closed because the client went away), the request's sequences that
+        are still running are cancelled: they leave the batch at the engine's next step.
+        """
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        work = loop.run_in_executor(self.executor, run_batch, self.lm, requests,
-                                    lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-        ended = [False] * len(requests)
-        while (events := await queue.get()) is not None:
-            out: list[object] = []
-            for index, event in enumerate(events):
-                out.append(StopIteration if ended[index] else event)
-                ended[index] = ended[index] or isinstance(event, (Finished, Failed))
-            yield out
-        await work
+        queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        tickets = []
+        try:
+            for index, request in enumerate(requests):
+                def hear(event: Event, index: int = index) -> None:
+                    loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+
+                try:
+                    tickets.append(self.engine.submit(request, hear))
+                except DartsError as error:
+                    raise ApiError(400, str(error)) from None
+            running = len(requests)
+            while running:
+                index, event = await queue.get()
+                if isinstance(event, Exception):  # its forward failed; the replica lives on
+                    logger.error("request %s failed: %s", rid, event)
+                    raise ApiError(400 if isinstance(event, DartsError) else 500, f"generation failed: {event}")
+                running -= isinstance(event, Finished)
+                yield index, event
+        finally:
+            for ticket in tickets:
+                self.engine.cancel(ticket)
 
 
 # --- building and running the app ------------------------------------------------------------------
@@ -378,6 +352,14 @@ def start(source: ModelSource, settings: ServeSection, api_key: str | None = Non
     return f"http://{settings.host}:{settings.port}/v1"
 
 
+def metrics_url() -> str:
+    """Where Ray's metrics agent on this node exports Prometheus metrics, the replicas' darts_serve_* among them."""
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeID"] == ray.get_runtime_context().get_node_id())
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -399,6 +381,7 @@ def run_foreground(
     try:
         url = start(source, settings, api_key)
         say(f"serving {source.name} at {url} (GET /v1/models lists the model ids; Ctrl-C stops)")
+        say(f"Prometheus metrics (darts_serve_* and Ray Serve's own) at {metrics_url()}")
         while True:
             time.sleep(1)
     except KeyboardInterrupt:

@@ -30,7 +30,8 @@ def _task(value: object) -> str | None:
 
 
 class DartsPyfunc(PythonModel):
-    """`predict` takes a DataFrame of `prompt` and optional `task`; params carry the generation settings."""
+    """`predict` takes a DataFrame of `prompt` and optional `task`; params carry the generation settings (and the
+    engine's max_batch_size)."""
 
     def load_context(self, context: PythonModelContext) -> None:
         corrections, router = (context.artifacts.get(name) for name in (CORRECTIONS_ARTIFACT, ROUTER_ARTIFACT))
@@ -52,6 +53,8 @@ class DartsPyfunc(PythonModel):
             "top_p": float(settings["top_p"]),
             "stop": list(settings["stop"]) or None,
             "seed": int(settings["seed"]),
+            # Rows go through the continuous-batching engine, as the Serve app's requests do.
+            "max_batch_size": int(settings["max_batch_size"]),
         }
         if settings["chat"]:
             completions = self.lm.chat([[{"role": "user", "content": p}] for p in prompts], tasks, **options)

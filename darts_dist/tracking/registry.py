@@ -36,9 +36,11 @@ MERGED_ARTIFACT = "merged"
 CORRECTIONS_ARTIFACT = "corrections"
 ROUTER_ARTIFACT = "router"
 PYFUNC_CODE = Path(__file__).with_name("pyfunc_model.py")
-# Generation settings a request may pass as params; these are the defaults (greedy, 64 tokens).
+# Generation settings a request may pass as params; these are the defaults (greedy, 64 tokens). max_batch_size
+# bounds the engine's running batch: a frame's rows join it as earlier ones finish.
 PARAM_DEFAULTS: dict[str, object] = {
     "max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "seed": 0, "stop": [], "chat": False,
+    "max_batch_size": 32,
 }
 # The served model's quality on held-out data: mean over tasks of the corrected model's NLL
 # (lower is better). NLL, not bias reduction, because bias reduction is relative to each run's
@@ -75,6 +77,7 @@ def model_signature() -> ModelSignature:
         ParamSpec("seed", "long", PARAM_DEFAULTS["seed"]),
         ParamSpec("stop", "string", PARAM_DEFAULTS["stop"], shape=(-1,)),
         ParamSpec("chat", "boolean", PARAM_DEFAULTS["chat"]),
+        ParamSpec("max_batch_size", "long", PARAM_DEFAULTS["max_batch_size"]),
     ])
     return ModelSignature(inputs=inputs, outputs=outputs, params=params)
 
