@@ -172,7 +172,7 @@ class EvaluationSection(_Section):
 
     score_limit: int | None = Field(default=20, ge=0)  # problems per task; None = all, 0 = no task scores
     max_new_tokens: PositiveInt | None = None  # a cap on every answer; None: each scorer's own length
-    # Answers generated together: on two CPU cores 48 at once took 0.6x the time of 3 batches of 16.
+    # Answers generated at once (continuous batching: a finished answer's place goes to the next problem).
     generation_batch_size: PositiveInt = 32
     sandbox_timeout: float = Field(default=5.0, gt=0.0)  # seconds per check program (code scorers)
     # Also score the base model (before fine-tuning) on each task: what the experts learnt, the yardstick

@@ -51,8 +51,9 @@ def run_dir(tiny_family, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-# One CorrectedLM.generate_ids call as the model saw it: prompt token ids, tasks, max_new_tokens, and the texts.
-Call = tuple[list[list[int]], list[str | None], int, list[str]]
+# One sequence CorrectedLM.generate_ids generated, as the model saw it: prompt token ids, task, max_new_tokens,
+# and its text (lm-eval asks one batch at a time, darts-dist all problems at once: the sequences must agree).
+Call = tuple[list[int], str | None, int, str]
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def generated(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
 
     def recorded(self: CorrectedLM, encoded, tasks=None, **options):
         done = generate_ids(self, encoded, tasks, **options)
-        calls.append(([list(ids) for ids in encoded], list(tasks), options["max_new_tokens"], [c.text for c in done]))
+        calls.extend((list(ids), task, options["max_new_tokens"], c.text) for ids, task, c in zip(encoded, tasks, done))
         return done
 
     monkeypatch.setattr(CorrectedLM, "generate_ids", recorded)
@@ -81,7 +82,7 @@ def lm_eval_math(run_dir: Path, task: str, generated: list[Call]) -> tuple[float
     samples = sorted(results["samples"]["darts_demo_math"], key=lambda sample: sample["doc_id"])
     calls = generated[:]
     generated.clear()
-    assert [sample["resps"][0][0] for sample in samples] == [text for call in calls for text in call[3]]
+    assert [sample["resps"][0][0] for sample in samples] == [call[3] for call in calls]
     return results["results"]["darts_demo_math"]["acc,none"], calls
 
 
@@ -102,9 +103,9 @@ def test_a_task_scores_and_answers_as_darts_dist_evaluate(run_dir: Path, generat
         # The same score from the same prompt tokens, task, length and completions, problem by problem.
         assert scored == darts_math(lm, "math", generated)
         # Not a comparison of empty strings: the completions have text, and the correction is in it.
-        texts = [text for call in scored[1] for text in call[3]]
+        texts = [call[3] for call in scored[1]]
         assert len(texts) == LIMIT and all(text.strip() for text in texts)
-        assert texts != [text for call in darts_math(lm, None, generated)[1] for text in call[3]]
+        assert texts != [call[3] for call in darts_math(lm, None, generated)[1]]
 
 
 def test_routed_and_merged_are_the_routers_pick_and_no_correction(run_dir: Path, generated: list[Call]) -> None:

@@ -206,19 +206,18 @@ def completions(
     lm: CorrectedLM, task: str | None, problems: Sequence[Problem], scorer: Scorer, settings: EvaluationSection,
     desc: str = "answers", progress: bool = False,
 ) -> list[str]:
-    """Greedy completions of every problem, under `task`'s correction (None: uncorrected), in batches."""
-    texts = []
-    length = settings.max_new_tokens or scorer.max_new_tokens
-    starts = range(0, len(problems), settings.generation_batch_size)
-    for start in tqdm(starts, desc=desc, unit="batch", disable=not progress):
-        chunk = problems[start:start + settings.generation_batch_size]
-        options = {"tasks": [task] * len(chunk), "max_new_tokens": length, "stop": scorer.stop or None}
-        if chunk[0].messages:
-            done = lm.chat([list(p.messages) for p in chunk], **options)
+    """Greedy completions of every problem, under `task`'s correction (None: uncorrected), continuously batched:
+    up to `generation_batch_size` answers at once, a finished answer's place going to the next problem."""
+    if not problems:
+        return []
+    options = {"tasks": [task] * len(problems), "max_new_tokens": settings.max_new_tokens or scorer.max_new_tokens,
+               "stop": scorer.stop or None, "max_batch_size": settings.generation_batch_size}
+    with tqdm(total=len(problems), desc=desc, unit="answer", disable=not progress) as bar:
+        if problems[0].messages:
+            done = lm.chat([list(p.messages) for p in problems], **options, on_finished=bar.update)
         else:
-            done = lm.generate([p.prompt for p in chunk], **options)
-        texts += [c.text for c in done]
-    return texts
+            done = lm.generate([p.prompt for p in problems], **options, on_finished=bar.update)
+    return [c.text for c in done]
 
 
 def problem_passes(
