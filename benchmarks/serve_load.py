@@ -7,8 +7,9 @@ routed NAME, NAME:merged), completions and chat, some streamed, some sampled wit
 eight invalid (unknown model, empty prompt, max_tokens above the limit, bad JSON, an empty conversation, a
 declared body above serve.max_request_bytes). Results, as JSON lines: valid requests answered 5xx (or with
 an error in their stream) and lost responses (no reply, a cut stream, an unreadable body), both must be 0;
-the share of invalid requests answered 4xx (must be 1); p50/p99 latency and throughput of the valid ones
-against the same requests sent one at a time first; and /healthz afterwards.
+the share of invalid requests answered 4xx (must be 1); p50/p99 latency, p50/p99 time to the first
+text of the streamed ones, and throughput of the valid ones against the same kind of requests sent one at a
+time first; and /healthz afterwards.
 
 `run_load` is the core, with no model set-up: tests/test_serve.py runs it on the tiny model with small numbers.
 """
@@ -58,6 +59,7 @@ class LoadResult:
     seconds: float
     outcomes: dict[str, Counter] = field(default_factory=lambda: {"valid": Counter(), "invalid": Counter()})
     latencies: list[float] = field(default_factory=list)  # of the valid requests answered ok
+    first_tokens: list[float] = field(default_factory=list)  # seconds to the first text of the streams answered ok
     streamed: int = 0
     healthy_after: bool = False
 
@@ -131,11 +133,21 @@ def _outcome(status: int, payload: bytes, stream: bool) -> str:
     return "ok" if reply.get("choices") else "lost"
 
 
-def send(base: str, spec: Spec, api_key: str | None, timeout_s: float) -> tuple[str, float]:
-    """One request on its own connection: its outcome and seconds to the end of the reply."""
+def _has_text(line: bytes) -> bool:
+    """Whether a server-sent event carries generated text (a completion's `text`, a chat delta's `content`)."""
+    if not line.startswith(b"data: {"):
+        return False
+    event = json.loads(line[6:])
+    return any(choice.get("text") or (choice.get("delta") or {}).get("content") for choice in event.get("choices", []))
+
+
+def send(base: str, spec: Spec, api_key: str | None, timeout_s: float) -> tuple[str, float, float | None]:
+    """One request on its own connection: its outcome, seconds to the end of the reply, and for a stream the
+    seconds to its first text (time to first token)."""
     url = urlsplit(base)
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     started = time.perf_counter()
+    first_token = None
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
     try:
         if spec.declared_length is not None:
@@ -146,12 +158,21 @@ def send(base: str, spec: Spec, api_key: str | None, timeout_s: float) -> tuple[
         else:
             connection.request("POST", spec.path, body=spec.body, headers=headers)
         response = connection.getresponse()
-        outcome = _outcome(response.status, response.read(), spec.stream)
+        if spec.stream and response.status == 200:
+            lines = []
+            while line := response.readline():
+                if first_token is None and _has_text(line):
+                    first_token = time.perf_counter() - started
+                lines.append(line)
+            payload = b"".join(lines)
+        else:
+            payload = response.read()
+        outcome = _outcome(response.status, payload, spec.stream)
     except (OSError, http.client.HTTPException, ValueError):  # no reply, a cut reply, or an unreadable one
         outcome = "lost"
     finally:
         connection.close()
-    return outcome, time.perf_counter() - started
+    return outcome, time.perf_counter() - started, first_token
 
 
 def model_ids(base: str, api_key: str | None) -> list[str]:
@@ -182,11 +203,13 @@ def run_load(
     with ThreadPoolExecutor(concurrency) as pool:
         replies = list(pool.map(lambda spec: send(base, spec, api_key, timeout_s), specs))
     result = LoadResult(requests, concurrency, time.perf_counter() - started)
-    for spec, (outcome, seconds) in zip(specs, replies):
+    for spec, (outcome, seconds, first_token) in zip(specs, replies):
         result.outcomes["valid" if spec.valid else "invalid"][outcome] += 1
         if spec.valid and outcome == "ok":
             result.latencies.append(seconds)
             result.streamed += spec.stream
+            if first_token is not None:
+                result.first_tokens.append(first_token)
     result.healthy_after = healthy(base)
     return result
 
@@ -211,6 +234,10 @@ def result_lines(load: LoadResult, alone: LoadResult) -> list[dict]:
          "baseline": percentile(alone.latencies, 50), "unit": "s", **details},
         {"name": "serve_load_latency_p99", "value": percentile(load.latencies, 99),
          "baseline": percentile(alone.latencies, 99), "unit": "s", **details},
+        {"name": "serve_load_first_token_p50", "value": percentile(load.first_tokens, 50),
+         "baseline": percentile(alone.first_tokens, 50), "unit": "s", **details},
+        {"name": "serve_load_first_token_p99", "value": percentile(load.first_tokens, 99),
+         "baseline": percentile(alone.first_tokens, 99), "unit": "s", **details},
         {"name": "serve_load_throughput", "value": valid_ok / load.seconds,
          "baseline": len(alone.latencies) / alone.seconds, "unit": "requests/s", **details},
         {"name": "serve_load_healthy_after", "value": float(load.healthy_after), "baseline": 1.0, "unit": "bool",
@@ -227,7 +254,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16, help="each valid request asks for max/2 to max tokens")
-    p.add_argument("--alone", type=int, default=8, help="requests sent one at a time first: the baseline")
+    p.add_argument("--alone", type=int, default=32, help="requests sent one at a time first: the baseline")
     args = p.parse_args()
     config, sources, merged_dir = demo_setup("serve-load", args)
     corrections = random_corrections(config, merged_dir)

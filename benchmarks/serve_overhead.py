@@ -3,8 +3,9 @@
 One Ray Serve app (the real `darts-dist serve` deployment) with the demo model: the same held-out
 prompts of the three demo tasks go to `NAME:<their task>` (corrected) and to `NAME:merged`, greedy,
 at concurrency 1 and 16, the two variants alternating within each round so that the machine's
-drift hits both alike. Per concurrency: completion tokens/s, and p50/p99 request latency.
-Target (issue 6): corrected ≥ 0.97 × uncorrected throughput. Defaults take a few minutes.
+drift hits both alike. Per concurrency: completion tokens/s, the replica's CPU seconds per token
+(its process's user + system time: less noisy than wall time on a shared machine), and p50/p99
+request latency. Target: corrected ≥ 0.97 × uncorrected throughput. Defaults take a few minutes.
 
 The corrections are the demo's shape (rank, T, tasks) with small random values: serving costs the
 same whatever the values, and a calibration would add minutes. `--corrections` serves real ones.
@@ -12,6 +13,7 @@ same whatever the values, and a calibration would add minutes. `--corrections` s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -21,6 +23,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import ray
 import torch
 from common import demo_setup, emit, note, parser
@@ -78,12 +81,26 @@ def complete(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float,
     return time.perf_counter() - start_time, reply["usage"]["completion_tokens"]
 
 
-def phase(url: str, requests: list[tuple[str, str]], concurrency: int, max_tokens: int) -> tuple[float, int, list]:
-    """Send every (model id, prompt) with `concurrency` in flight: wall seconds, tokens, latencies."""
-    started = time.perf_counter()
+def replica_cpu_seconds() -> float:
+    """User + system CPU seconds of the Serve replica processes so far (Ray titles them ServeReplica:...)."""
+    total = 0.0
+    for process in psutil.process_iter(["cmdline"]):
+        if any("ServeReplica" in part for part in process.info["cmdline"] or ()):
+            with contextlib.suppress(psutil.Error):
+                times = process.cpu_times()
+                total += times.user + times.system
+    return total
+
+
+def phase(url: str, requests: list[tuple[str, str]], concurrency: int,
+          max_tokens: int) -> tuple[float, float, int, list]:
+    """Send every (model id, prompt) with `concurrency` in flight: wall seconds, the replica's CPU seconds, tokens,
+    latencies."""
+    started, cpu = time.perf_counter(), replica_cpu_seconds()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda r: complete(url, r[0], r[1], max_tokens), requests))
-    return time.perf_counter() - started, sum(t for _, t in results), [s for s, _ in results]
+    return (time.perf_counter() - started, replica_cpu_seconds() - cpu, sum(t for _, t in results),
+            [s for s, _ in results])
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -114,7 +131,7 @@ def main() -> None:
         for model_id in (f"{NAME}:{config.tasks[0]}", f"{NAME}:merged"):  # warm-up: first calls pay one-off costs
             complete(url, model_id, prompts[0][1], 4)
         for concurrency in args.concurrency:
-            totals = {name: {"seconds": 0.0, "tokens": 0, "latencies": []} for name in variants}
+            totals = {name: {"seconds": 0.0, "cpu": 0.0, "tokens": 0, "latencies": []} for name in variants}
             # At high concurrency at least one full batch per phase, so batching itself is measured.
             count = max(args.requests, concurrency)
             for round_index in range(args.rounds):
@@ -122,9 +139,10 @@ def main() -> None:
                 # Each round takes the next prompts, spread over the tasks.
                 chosen = [prompts[(round_index * count + i * 7) % len(prompts)] for i in range(count)]
                 for name in order:
-                    seconds, tokens, latencies = phase(url, [(variants[name](t), text) for t, text in chosen],
-                                                       concurrency, args.max_tokens)
+                    seconds, cpu, tokens, latencies = phase(url, [(variants[name](t), text) for t, text in chosen],
+                                                            concurrency, args.max_tokens)
                     totals[name]["seconds"] += seconds
+                    totals[name]["cpu"] += cpu
                     totals[name]["tokens"] += tokens
                     totals[name]["latencies"] += latencies
                     note(f"c={concurrency} round {round_index + 1} {name}: {tokens / seconds:.1f} tokens/s")
@@ -134,6 +152,9 @@ def main() -> None:
                        "model": "tiny" if args.tiny else "SmolLM2-135M-Instruct demo merge"}
             emit(f"serve_tokens_per_s_c{concurrency}", speed["corrected"], speed["merged"], "tokens/s",
                  target_ratio=0.97, **details)
+            cpu_per_token = {name: t["cpu"] / t["tokens"] for name, t in totals.items()}
+            emit(f"serve_cpu_s_per_token_c{concurrency}", cpu_per_token["corrected"], cpu_per_token["merged"],
+                 "CPU s/token", **details)
             for q in (50, 99):
                 emit(f"serve_latency_p{q}_c{concurrency}", percentile(totals["corrected"]["latencies"], q),
                      percentile(totals["merged"]["latencies"], q), "s", **details)

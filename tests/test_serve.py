@@ -472,6 +472,8 @@ def test_a_bounded_mixed_load_gets_no_5xx_and_no_lost_responses(server) -> None:
     assert load.outcomes["valid"]["ok"] == 35 and load.streamed > 0
     assert load.healthy_after
     assert 0 < lines["serve_load_latency_p50"]["value"] <= lines["serve_load_latency_p99"]["value"]
+    assert 0 < lines["serve_load_first_token_p50"]["value"] <= lines["serve_load_first_token_p99"]["value"]
+    assert len(load.first_tokens) == load.streamed
 
 
 def test_ctrl_c_stops_the_server_cleanly(server) -> None:
