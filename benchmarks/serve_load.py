@@ -255,6 +255,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16, help="each valid request asks for max/2 to max tokens")
     p.add_argument("--alone", type=int, default=32, help="requests sent one at a time first: the baseline")
+    p.add_argument("--replica-cpus", type=float, default=os.cpu_count() or 1,
+                   help="serve.num_cpus: the replica's CPUs and torch threads (default: every core)")
     args = p.parse_args()
     config, sources, merged_dir = demo_setup("serve-load", args)
     corrections = random_corrections(config, merged_dir)
@@ -265,7 +267,7 @@ def main() -> None:
         # The replica takes every core, as a serving machine would give it; room for the whole load in flight.
         yaml_path.write_text(json.dumps({
             "sources": {"base": "unused", "experts": [{"task": t, "path": "unused"} for t in config.tasks]},
-            "serve": {"num_cpus": os.cpu_count() or 1, "max_ongoing_requests": max(32, args.concurrency)}}))
+            "serve": {"num_cpus": args.replica_cpus, "max_ongoing_requests": max(32, args.concurrency)}}))
         note("starting darts-dist serve")
         with serving(merged_dir, corrections, router, yaml_path, Path(folder)) as base:
             alone = run_load(base, prompts, args.alone, 1, max_tokens=args.max_tokens, seed=1)
@@ -274,7 +276,7 @@ def main() -> None:
     model = "tiny" if args.tiny else "SmolLM2-135M-Instruct demo merge"
     for line in result_lines(load, alone):
         emit(line.pop("name"), line.pop("value"), line.pop("baseline"), line.pop("unit"), model=model,
-             max_tokens=args.max_tokens, **line)
+             max_tokens=args.max_tokens, replica_cpus=args.replica_cpus, **line)
 
 
 def fit_demo_router(config, sources, merged_dir):

@@ -205,6 +205,9 @@ class ServeSection(_Section):
     # budget: about 46 kB a token for SmolLM2-135M in fp32, so 16384 tokens hold 0.75 GB).
     max_batch_size: PositiveInt = 32
     max_batch_tokens: PositiveInt = 16384
+    # Prompt prefixes (a system prompt, a chat template's opening) whose keys and values are kept, per
+    # correction, so that a prompt starting the same way is prefilled from where they end; 0: none.
+    prefix_cache_tokens: int = Field(default=4096, ge=0)
     use_gpu: bool = False  # one GPU per replica
     num_cpus: float = Field(default=1.0, gt=0.0)  # per replica; also its torch threads
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # on GPUs; the CPU computes fp32

@@ -11,8 +11,16 @@ from test_generation import PROMPTS, strong_corrections
 
 from darts_dist.core import one_hot_tasks, token_batch
 from darts_dist.errors import DartsError
-from darts_dist.generation import (ContinuousBatcher, CorrectedLM, EngineStats, EngineThread, Finished, Sampling,
-                                   SequenceRequest)
+from darts_dist.generation import (
+    Completion,
+    ContinuousBatcher,
+    CorrectedLM,
+    EngineThread,
+    Finished,
+    Sampling,
+    SequenceRequest,
+)
+from darts_dist.generation.kv_cache import PREFIX_BLOCK
 from darts_dist.generation.sampling import top_p_probabilities
 
 MORE = ["def scale(values, k):", "Question: 3 + 4 =", "Instruction: Name a colour", "import numpy as"]
@@ -134,6 +142,11 @@ def test_streamed_pieces_add_up_to_the_text_and_stop_before_a_stop_string(lm: Co
     assert cut.finished.completion.finish_reason == "stop"
 
 
+def counts(batcher: ContinuousBatcher) -> tuple[int, int, int]:
+    stats = batcher.stats()
+    return stats.waiting, stats.running, stats.generated_tokens
+
+
 def test_a_cancelled_sequence_frees_its_slot_at_the_next_step(lm: CorrectedLM) -> None:
     batcher = ContinuousBatcher(lm, max_batch_size=1)
     long, short = Collect(), Collect()
@@ -141,14 +154,14 @@ def test_a_cancelled_sequence_frees_its_slot_at_the_next_step(lm: CorrectedLM) -
     batcher.add(SequenceRequest(tuple(lm.encode(MORE[1])), "math", greedy(3)), short)
     for _ in range(3):  # a prefill and a decode, then two decodes: 4 tokens
         batcher.step()
-    assert batcher.stats() == EngineStats(waiting=1, running=1, generated_tokens=4)
+    assert counts(batcher) == (1, 1, 4)
     batcher.cancel(ticket)
     batcher.step()  # the cancelled one leaves; the waiting one joins, is prefilled and decoded in the same step
-    assert batcher.stats() == EngineStats(waiting=0, running=1, generated_tokens=6)
+    assert counts(batcher) == (0, 1, 6)
     batcher.run_until_idle()
     assert long.finished is None
     assert short.finished.completion == lm.generate([MORE[1]], ["math"], max_new_tokens=3)[0]
-    assert batcher.stats() == EngineStats(waiting=0, running=0, generated_tokens=7)
+    assert counts(batcher) == (0, 0, 7)
 
 
 def test_the_token_budget_holds_sequences_back_until_there_is_room(lm: CorrectedLM) -> None:
@@ -187,3 +200,25 @@ def test_top_p_keeps_the_smallest_set_of_tokens_reaching_the_mass() -> None:
     # 0.5 alone is short of 0.7; 0.5 + 0.25 reaches it: the two kept, the rest zero.
     assert torch.allclose(kept, torch.tensor([0.0, 0.5, 0.0, 0.25]))
     assert torch.allclose(top_p_probabilities(logits, 2.0, 1.0), torch.softmax(logits / 2.0, -1))
+
+
+def test_a_cached_prompt_prefix_gives_the_same_text_as_computing_it(lm: CorrectedLM) -> None:
+    system = "You are a careful assistant. Answer briefly and exactly. " * 3
+    requests = [SequenceRequest(tuple(lm.encode(system + prompt)), task, Sampling(8)) for prompt, task in
+                zip(PROMPTS + MORE, ["code", None, "math", "code", "math", None, "code"])]
+    shared = len(lm.encode(system)) // PREFIX_BLOCK * PREFIX_BLOCK  # whole blocks of the shared prefix
+
+    def generate(prefix_cache_tokens: int) -> tuple[list[Completion], int]:
+        batcher = ContinuousBatcher(lm, max_batch_size=3, prefix_cache_tokens=prefix_cache_tokens)
+        listeners = [Collect() for _ in requests]
+        for request, listener in zip(requests, listeners):
+            batcher.add(request, listener)
+        batcher.run_until_idle()
+        return [listener.finished.completion for listener in listeners], batcher.stats().cached_prompt_tokens
+
+    cached, hits = generate(4096)
+    uncached, none = generate(0)
+    assert cached == uncached and none == 0
+    # The first three prefill together; of the four that join later, those whose correction was seen before
+    # (code twice, math, none) take the shared prefix from the cache.
+    assert hits >= 3 * shared and hits % PREFIX_BLOCK == 0

@@ -3,7 +3,8 @@
 A running set of sequences shares one left-aligned KV cache. Each `step` drops the cancelled,
 lets waiting sequences join while the batch has room (`max_batch_size` sequences, and a budget of
 `max_batch_tokens` reserved as prompt + max_tokens per sequence), prefills the joiners in one
-forward, then decodes one token for every running sequence in one forward. Finished sequences
+forward (a prompt prefix seen before, such as a system prompt, is taken from the prefix cache
+instead of computed again), then decodes one token for every running sequence in one forward. Finished sequences
 leave at once, so a short answer never waits for a long one and a waiting request never waits for
 a whole batch. Everything is per sequence: its task's correction (the hooks take one task weight
 row per sequence, and position ids count from each sequence's own first token), temperature,
@@ -35,11 +36,13 @@ from transformers.cache_utils import DynamicCache
 from darts_dist.core import token_batch
 from darts_dist.core.batching import mask_positions
 from darts_dist.errors import DartsError
-from darts_dist.generation.kv_cache import BatchCache
+from darts_dist.generation.kv_cache import BatchCache, LayerKV, PrefixCache, cache_with_past
 from darts_dist.generation.sampling import new_generator, next_tokens
 from darts_dist.generation.text import Completion, SequenceText
 
 logger = logging.getLogger(__name__)
+# Prompt tokens whose keys and values the prefix cache keeps (~46 kB each for SmolLM2-135M in fp32).
+PREFIX_CACHE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class EngineStats:
     waiting: int
     running: int
     generated_tokens: int  # since the engine started
+    prompt_tokens: int = 0  # prefilled since the engine started
+    cached_prompt_tokens: int = 0  # of which the prefix cache held the keys and values
 
 
 class Ticket:
@@ -144,7 +149,8 @@ class _Sequence:
 class ContinuousBatcher:
     """The scheduler and the batch state; `step` runs one iteration. Not thread-safe except `add` and `cancel`."""
 
-    def __init__(self, lm: CorrectedModel, max_batch_size: int, max_batch_tokens: int | None = None) -> None:
+    def __init__(self, lm: CorrectedModel, max_batch_size: int, max_batch_tokens: int | None = None,
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> None:
         self.lm = lm
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -152,7 +158,10 @@ class ContinuousBatcher:
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self.cache = BatchCache()
+        self.prefixes = PrefixCache(prefix_cache_tokens)
         self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
         self._lock = threading.Lock()
 
     def add(self, request: SequenceRequest, listener: Listener) -> Ticket:
@@ -185,7 +194,8 @@ class ContinuousBatcher:
         return bool(self.running or self.waiting)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.waiting), len(self.running), self.generated_tokens)
+        return EngineStats(len(self.waiting), len(self.running), self.generated_tokens, self.prompt_tokens,
+                           self.cached_prompt_tokens)
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -228,19 +238,56 @@ class ContinuousBatcher:
         return joining
 
     def _prefill(self, joining: list[_Sequence]) -> None:
-        """The joiners' prompts in one left-padded forward: their KV cache joins the batch's, their first tokens
-        are drawn. Routed sequences are routed first, on the merged model's hidden states of their prompts."""
+        """The joiners' prompts in one forward: their KV cache joins the batch's, their first tokens are drawn.
+
+        Routed sequences are routed first, on the merged model's hidden states of their prompts. A prompt's
+        cached prefix is not computed again: its keys and values sit left-padded before the rest of the
+        prompt, which is left-padded in turn, and the mask and position ids say where each token is.
+        """
         prompts = [s.request.ids for s in joining]
         weights, applied = self.lm.task_weights([s.task_index for s in joining], prompts)
         for row, sequence in enumerate(joining):
             sequence.weights = None if weights is None else weights[row]
             sequence.applied = applied[row]
-        input_ids, mask = token_batch(prompts, self.lm.pad_id, side="left")
-        cache = DynamicCache(config=self.lm.model.config)
-        logits = self._forward(input_ids, mask, mask_positions(mask), cache, joining)
+        corrections = [None if s.weights is None else tuple(s.weights.tolist()) for s in joining]
+        cached = [self.prefixes.lookup(c, ids) for c, ids in zip(corrections, prompts)]
+        lengths = torch.tensor([n for n, _ in cached])
+        input_ids, mask = token_batch([ids[n:] for (n, _), ids in zip(cached, prompts)], self.lm.pad_id, side="left")
+        positions = mask_positions(mask) + lengths[:, None] * mask
+        past = self._past(cached)
+        if past is not None:
+            width = past[0][0].shape[2]
+            mask = torch.cat([(torch.arange(width) >= width - lengths[:, None]).long(), mask], dim=1)
+        cache = cache_with_past(self.lm.model.config, past)
+        logits = self._forward(input_ids, mask, positions, cache, joining)
+        for row, (correction, ids) in enumerate(zip(corrections, prompts)):
+            if self.prefixes.keeps(ids):
+                columns = mask[row].nonzero().squeeze(1).to(self.device)
+                self.prefixes.store(correction, ids, [(layer.keys[row][:, columns], layer.values[row][:, columns])
+                                                      for layer in cache.layers])
+        self.prompt_tokens += sum(len(ids) for ids in prompts)
+        self.cached_prompt_tokens += int(lengths.sum())
         self.cache.join(cache, mask.to(self.device))
         self.running += joining
         self._advance(joining, logits)
+
+    @staticmethod
+    def _past(cached: list[tuple[int, LayerKV | None]]) -> LayerKV | None:
+        """The joiners' cached prefixes as one batch past [B, heads, P, head_dim] per layer, each left-padded."""
+        found = [kv for _, kv in cached if kv is not None]
+        if not found:
+            return None
+        width = max(n for n, _ in cached)
+        past = []
+        for layer in range(len(found[0])):
+            keys, values = found[0][layer]
+            shape = (len(cached), keys.shape[0], width, keys.shape[2])
+            batch_keys, batch_values = keys.new_zeros(shape), values.new_zeros(shape)
+            for row, (n, kv) in enumerate(cached):
+                if kv is not None:
+                    batch_keys[row, :, width - n:], batch_values[row, :, width - n:] = kv[layer]
+            past.append((batch_keys, batch_values))
+        return past
 
     def _decode(self) -> None:
         running = self.running

@@ -1,7 +1,9 @@
-"""A left-aligned batch KV cache that sequences join and leave between decoding steps.
+"""A left-aligned batch KV cache that sequences join and leave between decoding steps, and a cache of
+prompt prefixes.
 
-Every row's tokens end at the last column and padding sits at the left, as in a left-padded
-batch, so one forward decodes every row's next token. A joining batch is padded on the left to
+Every row's tokens end at the last column and padding sits at the left (and, after a prefill that
+reused a cached prefix, between the prefix and the rest of the prompt: the mask says which columns
+hold tokens), so one forward decodes every row's next token. A joining batch is padded on the left to
 the longer of the two lengths and stacked under the running rows; leaving rows are dropped, and
 columns that are padding in every row left are cut. Only transformers' DynamicCache of full-attention
 layers is taken: its per-layer key and value tensors are [B, heads, S, head_dim].
@@ -9,9 +11,12 @@ layers is taken: its per-layer key and value tensors are [B, heads, S, head_dim]
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from darts_dist.errors import DartsError
@@ -73,3 +78,68 @@ class BatchCache:
         for layer in _layers(self.cache):
             layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))[..., start:, :]
             layer.values = layer.values.index_select(0, index.to(layer.values.device))[..., start:, :]
+
+
+# Prompt prefixes are cached in blocks of this many tokens: smaller blocks hit more of a shared prefix.
+PREFIX_BLOCK = 8
+# The key of a block: the correction weights its keys and values were computed under (None: none), and every
+# prompt token up to the block's end, since a block's keys and values depend on all of them.
+BlockKey = tuple[tuple[float, ...] | None, tuple[int, ...]]
+LayerKV = list[tuple[Tensor, Tensor]]  # per layer: keys, values [heads, tokens, head_dim]
+
+
+class PrefixCache:
+    """The keys and values of prompt prefixes already prefilled (a shared system prompt, a chat template's
+    opening), in blocks of PREFIX_BLOCK tokens, at most `max_tokens` of them, least recently used out first.
+
+    A prompt's cached part is its longest run of cached blocks from its start, short of its last token (the
+    prefill must compute the last token's logits). Blocks are kept per correction, so a correction at any layer
+    is exact (a final-layer one leaves the keys and values alike, and only costs hits).
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.blocks: OrderedDict[BlockKey, LayerKV] = OrderedDict()
+
+    def lookup(self, correction: tuple[float, ...] | None, ids: tuple[int, ...]) -> tuple[int, LayerKV | None]:
+        """How many leading tokens of `ids` are cached, and their keys and values per layer (None if none)."""
+        found: list[LayerKV] = []
+        end = PREFIX_BLOCK
+        while end < len(ids) and (block := self.blocks.get((correction, ids[:end]))) is not None:
+            found.append(block)
+            end += PREFIX_BLOCK
+        if not found:
+            return 0, None
+        self._touch(correction, ids, len(found))
+        return len(found) * PREFIX_BLOCK, [(torch.cat([b[layer][0] for b in found], dim=1),
+                                            torch.cat([b[layer][1] for b in found], dim=1))
+                                           for layer in range(len(found[0]))]
+
+    def keeps(self, ids: tuple[int, ...]) -> bool:
+        """Whether `store` would keep any block of this prompt."""
+        return self.max_tokens >= PREFIX_BLOCK and len(ids) > PREFIX_BLOCK
+
+    def store(self, correction: tuple[float, ...] | None, ids: tuple[int, ...], kv: LayerKV) -> None:
+        """Keep the blocks of a prefilled prompt (`kv`: its tokens' keys and values per layer, in order)."""
+        blocks = (len(ids) - 1) // PREFIX_BLOCK
+        for index in range(blocks):
+            key = (correction, ids[:(index + 1) * PREFIX_BLOCK])
+            if key not in self.blocks:
+                cut = slice(index * PREFIX_BLOCK, (index + 1) * PREFIX_BLOCK)
+                # Copies: a view would keep the whole batch's cache alive.
+                self.blocks[key] = [(keys[:, cut].clone(), values[:, cut].clone()) for keys, values in kv]
+        self._touch(correction, ids, blocks)
+        while len(self.blocks) * PREFIX_BLOCK > self.max_tokens:
+            self.blocks.popitem(last=False)
+
+    def _touch(self, correction: tuple[float, ...] | None, ids: tuple[int, ...], blocks: int) -> None:
+        # The first block most recently: a chain is evicted from its end, never cut at its start.
+        for index in reversed(range(blocks)):
+            self.blocks.move_to_end((correction, ids[:(index + 1) * PREFIX_BLOCK]))
+
+
+def cache_with_past(config: PretrainedConfig, past: LayerKV | None) -> DynamicCache:
+    """A fresh DynamicCache for the model of `config`, holding `past` ([B, heads, P, head_dim] per layer) if given."""
+    if past is None:
+        return DynamicCache(config=config)
+    return DynamicCache(ddp_cache_data=past, config=config)

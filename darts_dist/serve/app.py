@@ -18,6 +18,7 @@ choose (or apply none below its threshold), `NAME:merged` is the uncorrected mer
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -76,6 +77,8 @@ class EngineMetrics:
         self.running = metrics.Gauge("darts_serve_running_sequences", "sequences in the running batch")
         self.tokens = metrics.Counter("darts_serve_generated_tokens", "tokens generated since the replica started")
         self.rate = metrics.Gauge("darts_serve_tokens_per_second", "tokens generated per second, last interval")
+        self.cached = metrics.Gauge("darts_serve_prefix_cache_hit_ratio",
+                                    "share of prompt tokens taken from the prefix cache since the replica started")
         self._stop = threading.Event()
         threading.Thread(target=self._report, name="darts-metrics", daemon=True).start()
 
@@ -88,6 +91,7 @@ class EngineMetrics:
             if stats.generated_tokens > reported:
                 self.tokens.inc(stats.generated_tokens - reported)
             self.rate.set((stats.generated_tokens - reported) / (now - then))
+            self.cached.set(stats.cached_prompt_tokens / max(1, stats.prompt_tokens))
             reported, then = stats.generated_tokens, now
 
     def close(self) -> None:
@@ -151,7 +155,7 @@ class DartsServer:
         self.created = int(time.time())
         # One engine thread: the model's correction hooks hold one forward's task weights at a time.
         self.engine: Engine = EngineThread(ContinuousBatcher(self.lm, settings.max_batch_size,
-                                                             settings.max_batch_tokens))
+                                                             settings.max_batch_tokens, settings.prefix_cache_tokens))
         self.metrics = EngineMetrics(self.engine)
 
     def __del__(self) -> None:
@@ -162,8 +166,7 @@ class DartsServer:
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
         stats = self.engine.stats()
-        return {"status": "ok", "model": self.name, "waiting": stats.waiting, "running": stats.running,
-                "generated_tokens": stats.generated_tokens}
+        return {"status": "ok", "model": self.name, **dataclasses.asdict(stats)}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
