@@ -20,6 +20,10 @@ from pathlib import Path
 import psutil
 import torch
 
+# stdout carries only the JSON lines; DeepSpeed's logger writes to the stdout it finds when first imported.
+with contextlib.redirect_stdout(sys.stderr):
+    import deepspeed  # noqa: F401
+
 from darts_dist.config import RunConfig, load_config, packaged_config, updated
 from darts_dist.core import TokenizedSet
 from darts_dist.fsutil import cache_root

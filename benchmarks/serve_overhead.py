@@ -72,8 +72,10 @@ def task_prompts(config, sources, merged_dir: Path, per_task: int) -> list[tuple
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
-    """One greedy completion: its latency in seconds and the tokens it generated."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    """One greedy completion of exactly max_tokens: its latency in seconds and the tokens it generated."""
+    # ignore_eos: both variants generate exactly max_tokens, so per-request costs weigh alike per token.
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
     request = urllib.request.Request(f"{url}/completions", data=body, headers={"Content-Type": "application/json"})
     start_time = time.perf_counter()
     with urllib.request.urlopen(request, timeout=600) as response:

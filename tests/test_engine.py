@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-from test_generation import PROMPTS, strong_corrections
+from test_generation import PROMPTS, TASKS, strong_corrections
 
-from darts_dist.core import one_hot_tasks, token_batch
+from darts_dist.core import CorrectionSpec, DartsCorrections, one_hot_tasks, token_batch
 from darts_dist.errors import DartsError
 from darts_dist.generation import (
     Completion,
@@ -202,23 +202,56 @@ def test_top_p_keeps_the_smallest_set_of_tokens_reaching_the_mass() -> None:
     assert torch.allclose(top_p_probabilities(logits, 2.0, 1.0), torch.softmax(logits / 2.0, -1))
 
 
-def test_a_cached_prompt_prefix_gives_the_same_text_as_computing_it(lm: CorrectedLM) -> None:
+@pytest.mark.parametrize("layers", [["final"], [1, "final"]])
+def test_a_cached_prompt_prefix_gives_the_same_text_as_computing_it(lm: CorrectedLM, layers: list) -> None:
+    """A final-norm correction shares the uncorrected prefix blocks; one at decoder layer 1 keeps its own."""
+    hidden_size = lm.model.config.hidden_size
+    corrections = DartsCorrections(CorrectionSpec(TASKS, hidden_size, rank=4, max_positions=32), layers)
+    with torch.no_grad():
+        for parameter in corrections.parameters():
+            parameter.copy_(torch.randn_like(parameter))
+    corrected = CorrectedLM(lm.model, lm.tokenizer, corrections)
     system = "You are a careful assistant. Answer briefly and exactly. " * 3
-    requests = [SequenceRequest(tuple(lm.encode(system + prompt)), task, Sampling(8)) for prompt, task in
-                zip(PROMPTS + MORE, ["code", None, "math", "code", "math", None, "code"])]
+    tasks = ["code", None, "math", "code", "math", None, "code"]
+    requests = [SequenceRequest(tuple(lm.encode(system + prompt)), task, Sampling(8))
+                for prompt, task in zip(PROMPTS + MORE, tasks)]
     shared = len(lm.encode(system)) // PREFIX_BLOCK * PREFIX_BLOCK  # whole blocks of the shared prefix
 
     def generate(prefix_cache_tokens: int) -> tuple[list[Completion], int]:
-        batcher = ContinuousBatcher(lm, max_batch_size=3, prefix_cache_tokens=prefix_cache_tokens)
+        batcher = ContinuousBatcher(corrected, max_batch_size=3, prefix_cache_tokens=prefix_cache_tokens)
         listeners = [Collect() for _ in requests]
         for request, listener in zip(requests, listeners):
             batcher.add(request, listener)
         batcher.run_until_idle()
         return [listener.finished.completion for listener in listeners], batcher.stats().cached_prompt_tokens
 
-    cached, hits = generate(4096)
-    uncached, none = generate(0)
+    try:
+        cached, hits = generate(4096)
+        uncached, none = generate(0)
+    finally:
+        corrected.close()
     assert cached == uncached and none == 0
-    # The first three prefill together; of the four that join later, those whose correction was seen before
-    # (code twice, math, none) take the shared prefix from the cache.
-    assert hits >= 3 * shared and hits % PREFIX_BLOCK == 0
+    assert hits % PREFIX_BLOCK == 0
+    # The first three prefill together; of the four that join later, all find the shared prefix when the keys
+    # and values do not depend on the correction, and those whose correction was seen before (code twice,
+    # math, none) when they do.
+    assert hits >= (4 if layers == ["final"] else 3) * shared
+    assert corrected.corrects_kv == (layers != ["final"])
+
+
+def test_ignore_eos_generates_max_tokens(lm: CorrectedLM) -> None:
+    ids = tuple(lm.encode(PROMPTS[0]))
+    with lm.weighted(one_hot_tasks(torch.tensor([lm.task_index("code")]), len(TASKS))), torch.no_grad():
+        first = int(lm.model(torch.tensor([ids])).logits[0, -1].argmax())
+    eos_ids = lm.eos_ids
+    lm.eos_ids = {first}  # the greedy first token ends the sequence
+    try:
+        stopped, going = Collect(), Collect()
+        batcher = ContinuousBatcher(lm, max_batch_size=2)
+        batcher.add(SequenceRequest(ids, "code", Sampling(6)), stopped)
+        batcher.add(SequenceRequest(ids, "code", Sampling(6, ignore_eos=True)), going)
+        batcher.run_until_idle()
+    finally:
+        lm.eos_ids = eos_ids
+    assert (stopped.finished.completion.completion_tokens, stopped.finished.completion.finish_reason) == (1, "stop")
+    assert (going.finished.completion.completion_tokens, going.finished.completion.finish_reason) == (6, "length")

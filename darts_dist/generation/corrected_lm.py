@@ -80,6 +80,8 @@ class CorrectedLM:
         if not 0.0 <= self.threshold <= 1.0:
             raise DartsError(f"the router threshold must be in [0, 1], got {self.threshold}")
         self.soft_routing = soft_routing
+        # A correction of the final norm's output changes no layer's keys and values; one of a decoder layer's does.
+        self.corrects_kv = corrections is not None and any(layer != "final" for layer in corrections.layer_keys)
         device = next(model.parameters()).device
         self._handle = None if corrections is None else attach_corrections(model, corrections.to(device))
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None

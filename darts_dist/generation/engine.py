@@ -54,6 +54,7 @@ class Sampling:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # go on past end-of-sequence tokens, to max_tokens
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class CorrectedModel(Protocol):
     tokenizer: PreTrainedTokenizerBase
     eos_ids: set[int]
     pad_id: int
+    corrects_kv: bool  # whether a correction changes keys and values (one below the final norm does)
 
     def task_index(self, task: str | None) -> int: ...
 
@@ -179,7 +181,8 @@ class ContinuousBatcher:
                              f"batch's token budget of {self.max_batch_tokens}",
                              "shorten the prompt, lower max_tokens, or raise serve.max_batch_tokens")
         ticket = Ticket()
-        text = SequenceText(self.lm.tokenizer, self.lm.eos_ids, sampling.stop, sampling.max_tokens, request.stream)
+        eos_ids = set() if sampling.ignore_eos else self.lm.eos_ids
+        text = SequenceText(self.lm.tokenizer, eos_ids, sampling.stop, sampling.max_tokens, request.stream)
         sequence = _Sequence(request, listener, ticket, self.lm.task_index(request.task),
                              new_generator(sampling.seed, self.device), text)
         with self._lock:
@@ -249,7 +252,9 @@ class ContinuousBatcher:
         for row, sequence in enumerate(joining):
             sequence.weights = None if weights is None else weights[row]
             sequence.applied = applied[row]
-        corrections = [None if s.weights is None else tuple(s.weights.tolist()) for s in joining]
+        # The prefix cache's key: the correction, where it changes the keys and values.
+        corrections = [tuple(s.weights.tolist()) if s.weights is not None and self.lm.corrects_kv else None
+                       for s in joining]
         cached = [self.prefixes.lookup(c, ids) for c, ids in zip(corrections, prompts)]
         lengths = torch.tensor([n for n, _ in cached])
         input_ids, mask = token_batch([ids[n:] for (n, _), ids in zip(cached, prompts)], self.lm.pad_id, side="left")

@@ -93,8 +93,8 @@ class PrefixCache:
     opening), in blocks of PREFIX_BLOCK tokens, at most `max_tokens` of them, least recently used out first.
 
     A prompt's cached part is its longest run of cached blocks from its start, short of its last token (the
-    prefill must compute the last token's logits). Blocks are kept per correction, so a correction at any layer
-    is exact (a final-layer one leaves the keys and values alike, and only costs hits).
+    prefill must compute the last token's logits). Blocks are kept per correction where the correction changes
+    the keys and values (one at a decoder layer); a final-layer correction shares the uncorrected blocks.
     """
 
     def __init__(self, max_tokens: int) -> None:

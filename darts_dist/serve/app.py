@@ -159,9 +159,10 @@ class DartsServer:
         self.metrics = EngineMetrics(self.engine)
 
     def __del__(self) -> None:
-        # Serve deletes a replica it stops; its threads go with it.
-        self.metrics.close()
-        self.engine.close()
+        # Serve deletes a replica it stops; its threads go with it (if it got as far as starting them).
+        for part in ("metrics", "engine"):
+            if hasattr(self, part):
+                getattr(self, part).close()
 
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
@@ -238,9 +239,9 @@ class DartsServer:
         for ids in encoded:
             self.check_length(ids, max_tokens)
         temperature = 1.0 if body.temperature is None else body.temperature
-        # Greedy decoding ignores top_p and the seed: equal keys let greedy requests share a group.
+        # Greedy decoding ignores top_p and the seed.
         sampling = Sampling(max_tokens, temperature, 1.0 if temperature == 0 else body.top_p or 1.0,
-                            body.stop_strings, None if temperature == 0 else body.seed)
+                            body.stop_strings, None if temperature == 0 else body.seed, body.ignore_eos)
         requests = [SequenceRequest(tuple(ids), task, sampling, body.stream) for ids in encoded]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:

@@ -50,6 +50,8 @@ class _GenerationRequest(_Body):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    # vLLM's extension: generate max_tokens whatever the model says (benchmarks compare equal lengths).
+    ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
