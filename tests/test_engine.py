@@ -255,3 +255,24 @@ def test_ignore_eos_generates_max_tokens(lm: CorrectedLM) -> None:
         lm.eos_ids = eos_ids
     assert (stopped.finished.completion.completion_tokens, stopped.finished.completion.finish_reason) == (1, "stop")
     assert (going.finished.completion.completion_tokens, going.finished.completion.finish_reason) == (6, "length")
+
+
+def test_a_failed_forward_fails_its_sequences_and_the_engine_goes_on(lm: CorrectedLM) -> None:
+    batcher = ContinuousBatcher(lm, max_batch_size=4)
+    heard: list[list] = [[], []]
+    for prompt, events in zip(PROMPTS[:2], heard):
+        batcher.add(SequenceRequest(tuple(lm.encode(prompt)), "code", Sampling(4)), events.append)
+    forward = batcher._forward
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    batcher._forward = out_of_memory
+    batcher.step()
+    assert [[str(e) for e in events] for events in heard] == [["out of memory"]] * 2
+    assert counts(batcher)[:2] == (0, 0)
+    batcher._forward = forward
+    after = Collect()
+    batcher.add(SequenceRequest(tuple(lm.encode(PROMPTS[2])), "math", Sampling(4)), after)
+    batcher.run_until_idle()
+    assert after.finished.completion == lm.generate(PROMPTS[2:], ["math"], max_new_tokens=4)[0]

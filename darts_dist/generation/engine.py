@@ -206,9 +206,10 @@ class ContinuousBatcher:
 
         A failed forward fails the sequences it ran (their listeners hear the exception); the batcher goes on.
         """
-        self._leave([s for s in self.running if s.ticket.cancelled])
-        joining = self._admit()
+        joining: list[_Sequence] = []
         try:
+            self._leave([s for s in self.running if s.ticket.cancelled])
+            joining = self._admit()
             if joining:
                 self._prefill(joining)
             if self.running:
