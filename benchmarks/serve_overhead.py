@@ -134,7 +134,7 @@ def main() -> None:
             complete(url, model_id, prompts[0][1], 4)
         for concurrency in args.concurrency:
             totals = {name: {"seconds": 0.0, "cpu": 0.0, "tokens": 0, "latencies": []} for name in variants}
-            # At high concurrency at least one full batch per phase, so batching itself is measured.
+            # At least as many requests as the concurrency per phase, so that the running batch fills.
             count = max(args.requests, concurrency)
             for round_index in range(args.rounds):
                 order = list(variants) if round_index % 2 == 0 else list(variants)[::-1]

@@ -201,8 +201,8 @@ class ServeSection(_Section):
     max_ongoing_requests: PositiveInt = 32
     max_tokens_limit: PositiveInt = 512
     # Continuous batching: at every decoding step finished sequences leave and waiting ones join, up to
-    # max_batch_size sequences whose prompt + max_tokens add up to at most max_batch_tokens (the KV cache's
-    # budget: about 46 kB a token for SmolLM2-135M in fp32, so 16384 tokens hold 0.75 GB).
+    # max_batch_size sequences, while the KV cache they can grow to, rows × the longest prompt + max_tokens
+    # among them, stays within max_batch_tokens (about 46 kB a token for SmolLM2-135M in fp32: 16384 hold 0.75 GB).
     max_batch_size: PositiveInt = 32
     max_batch_tokens: PositiveInt = 16384
     # Prompt prefixes (a system prompt, a chat template's opening) whose keys and values are kept, per

@@ -164,17 +164,27 @@ def test_a_cancelled_sequence_frees_its_slot_at_the_next_step(lm: CorrectedLM) -
     assert counts(batcher) == (0, 0, 7)
 
 
-def test_the_token_budget_holds_sequences_back_until_there_is_room(lm: CorrectedLM) -> None:
+def test_the_token_budget_bounds_the_cache_rows_times_its_widest_row(lm: CorrectedLM) -> None:
     prompts = [lm.encode(p) for p in MORE[:3]]
-    budget = max(len(ids) for ids in prompts) + 8
-    batcher = ContinuousBatcher(lm, max_batch_size=8, max_batch_tokens=budget)
+    widest = max(len(ids) for ids in prompts) + 8
+    batcher = ContinuousBatcher(lm, max_batch_size=8, max_batch_tokens=2 * widest)
     listeners = [Collect() for _ in prompts]
     for ids, listener in zip(prompts, listeners):
         batcher.add(SequenceRequest(tuple(ids), None, greedy(8)), listener)
+    batcher.step()
+    assert counts(batcher)[:2] == (1, 2)  # two rows of the widest fit, a third would not
     batcher.run_until_idle()
-    assert [listener.finished.batch_size for listener in listeners] == [1, 1, 1]
+    assert [listener.finished.batch_size for listener in listeners][:2] == [2, 2]
+    assert all(listener.finished.batch_size <= 2 for listener in listeners)
     with pytest.raises(DartsError, match="token budget"):
-        batcher.add(SequenceRequest(tuple(prompts[0]), None, greedy(budget)), Collect())
+        batcher.add(SequenceRequest(tuple(prompts[0]), None, greedy(2 * widest)), Collect())
+
+
+def test_bad_settings_are_refused(lm: CorrectedLM) -> None:
+    with pytest.raises(DartsError, match="max_batch_size"):
+        ContinuousBatcher(lm, max_batch_size=0)
+    with pytest.raises(DartsError, match="stop string is empty"):
+        ContinuousBatcher(lm, 1).add(SequenceRequest((1, 2), None, Sampling(4, stop=("",))), Collect())
 
 
 def test_the_engine_thread_serves_submissions_from_other_threads(lm: CorrectedLM) -> None:
@@ -255,6 +265,39 @@ def test_ignore_eos_generates_max_tokens(lm: CorrectedLM) -> None:
         lm.eos_ids = eos_ids
     assert (stopped.finished.completion.completion_tokens, stopped.finished.completion.finish_reason) == (1, "stop")
     assert (going.finished.completion.completion_tokens, going.finished.completion.finish_reason) == (6, "length")
+
+
+def test_a_failing_listener_cancels_its_own_sequence_only(lm: CorrectedLM) -> None:
+    batcher = ContinuousBatcher(lm, max_batch_size=2)
+
+    def gone(event) -> None:
+        raise RuntimeError("the request's event loop is closed")
+
+    kept = Collect()
+    batcher.add(SequenceRequest(tuple(lm.encode(PROMPTS[0])), "code", greedy(6), stream=True), gone)
+    batcher.add(SequenceRequest(tuple(lm.encode(PROMPTS[1])), "math", greedy(6), stream=True), kept)
+    batcher.run_until_idle()
+    assert kept.finished.completion == lm.generate(PROMPTS[1:2], ["math"], max_new_tokens=6)[0]
+    assert counts(batcher)[:2] == (0, 0)
+
+
+def test_a_failed_prefill_fails_its_joiners_and_the_batch_runs_on(lm: CorrectedLM) -> None:
+    batcher = ContinuousBatcher(lm, max_batch_size=4)
+    running, joiner = Collect(), []
+    batcher.add(SequenceRequest(tuple(lm.encode(PROMPTS[0])), "code", greedy(10)), running)
+    batcher.step()
+    prefill = batcher._prefill
+
+    def out_of_memory(joining):
+        raise RuntimeError("out of memory")
+
+    batcher._prefill = out_of_memory
+    batcher.add(SequenceRequest(tuple(lm.encode(PROMPTS[1])), "math", greedy(10)), joiner.append)
+    batcher.step()
+    batcher._prefill = prefill
+    assert [str(e) for e in joiner] == ["out of memory"]
+    batcher.run_until_idle()
+    assert running.finished.completion == lm.generate(PROMPTS[:1], ["code"], max_new_tokens=10)[0]
 
 
 def test_a_failed_forward_fails_its_sequences_and_the_engine_goes_on(lm: CorrectedLM) -> None:

@@ -196,7 +196,7 @@ class CorrectedLM:
             return []
         sampling = Sampling(max_new_tokens, temperature, top_p, tuple(stop or ()), seed)
         task_names = self._task_names(len(encoded), tasks)
-        batcher = ContinuousBatcher(self, max_batch_size or len(encoded))
+        batcher = ContinuousBatcher(self, len(encoded) if max_batch_size is None else max_batch_size)
         events: dict[int, Event] = {}
 
         def listener(row: int) -> Listener:

@@ -1,8 +1,9 @@
 """Continuous batching: the engine every darts-dist generation runs through (serving, pyfunc, evaluation).
 
 A running set of sequences shares one left-aligned KV cache. Each `step` drops the cancelled,
-lets waiting sequences join while the batch has room (`max_batch_size` sequences, and a budget of
-`max_batch_tokens` reserved as prompt + max_tokens per sequence), prefills the joiners in one
+lets waiting sequences join while the batch has room (`max_batch_size` sequences, and a KV cache
+that can grow to at most `max_batch_tokens` slots: rows × the longest prompt + max_tokens among
+them), prefills the joiners in one
 forward (a prompt prefix seen before, such as a system prompt, is taken from the prefix cache
 instead of computed again), then decodes one token for every running sequence in one forward. Finished sequences
 leave at once, so a short answer never waits for a long one and a waiting request never waits for
@@ -36,7 +37,8 @@ from transformers.cache_utils import DynamicCache
 from darts_dist.core import token_batch
 from darts_dist.core.batching import mask_positions
 from darts_dist.errors import DartsError
-from darts_dist.generation.kv_cache import BatchCache, LayerKV, PrefixCache, cache_with_past
+from darts_dist.generation.kv_cache import (BatchCache, LayerKV, PrefixCache, cache_with_past, check_full_attention,
+                                            left_align)
 from darts_dist.generation.sampling import new_generator, next_tokens
 from darts_dist.generation.text import Completion, SequenceText
 
@@ -75,7 +77,7 @@ class Finished:
 
 
 # What a sequence's listener hears, on the engine's thread: text (streamed requests), then one Finished,
-# or an exception if its forward failed. A cancelled sequence hears nothing more.
+# or an exception if its forward failed. A sequence cancelled during a step may still hear that step's events.
 Event = str | Finished | Exception
 Listener = Callable[[Event], None]
 
@@ -142,6 +144,19 @@ class _Sequence:
         self.length = len(request.ids)  # tokens in the KV cache
         self.pending = -1  # the last token drawn, not in the cache yet
         self.batch_size = 0
+        self.done = False  # Finished or failed: it hears nothing more
+
+    def tell(self, event: Event) -> None:
+        """Hand the listener an event. A listener that fails (its request's event loop is gone) cancels its
+        sequence instead of failing the batch."""
+        if self.done:
+            return
+        self.done = isinstance(event, (Finished, Exception))
+        try:
+            self.listener(event)
+        except Exception:
+            logger.exception("a listener failed; its sequence is cancelled")
+            self.ticket.cancelled = True
 
     @property
     def reserved(self) -> int:
@@ -153,6 +168,9 @@ class ContinuousBatcher:
 
     def __init__(self, lm: CorrectedModel, max_batch_size: int, max_batch_tokens: int | None = None,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> None:
+        if max_batch_size < 1:
+            raise DartsError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        check_full_attention(lm.model.config)  # before any request, not at the first join
         self.lm = lm
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -173,6 +191,8 @@ class ContinuousBatcher:
         sampling = request.sampling
         if sampling.max_tokens < 1:
             raise DartsError(f"max_new_tokens must be at least 1, got {sampling.max_tokens}")
+        if any(not stop for stop in sampling.stop):
+            raise DartsError("a stop string is empty", "give stop strings of at least one character")
         if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
             raise DartsError(f"temperature must be ≥ 0 and top_p in (0, 1], got {sampling.temperature} and "
                              f"{sampling.top_p}")
@@ -206,20 +226,29 @@ class ContinuousBatcher:
 
         A failed forward fails the sequences it ran (their listeners hear the exception); the batcher goes on.
         """
-        joining: list[_Sequence] = []
+        self._leave([s for s in self.running if s.ticket.cancelled])
+        joining = self._admit()
+        if joining:
+            # A failed prefill fails its joiners only: the running batch's cache is joined after it succeeds.
+            self._guarded(self._prefill, joining, joining)
+        if self.running:
+            self._guarded(self._decode, self.running)
+
+    def _guarded(self, work: Callable[..., None], sequences: list[_Sequence], *args: object) -> None:
+        """Run `work`; if it fails, the sequences it ran that had not finished hear the error and leave, the
+        running batch's cache is dropped if they were in it, and the engine goes on."""
         try:
-            self._leave([s for s in self.running if s.ticket.cancelled])
-            joining = self._admit()
-            if joining:
-                self._prefill(joining)
-            if self.running:
-                self._decode()
-        except Exception as error:  # each sequence's listener gets it; the engine lives on
-            logger.exception("generation failed for %d sequences", len(self.running) + len(joining))
-            failed = self.running + [s for s in joining if s not in self.running]
-            self.running, self.cache = [], BatchCache()
+            work(*args)
+        except Exception as error:
+            logger.exception("generation failed for %d sequences", len(sequences))
+            failed = [s for s in sequences if not s.done]
+            if any(s in self.running for s in sequences):
+                self.running, self.cache = [s for s in self.running if s not in sequences], BatchCache()
+                # Whoever is left lost its cache with the others': it fails too, rather than decode without it.
+                failed += [s for s in self.running if not s.done]
+                self.running = []
             for sequence in failed:
-                sequence.listener(error)
+                sequence.tell(error)
 
     def run_until_idle(self) -> None:
         while self.has_work():
@@ -228,17 +257,18 @@ class ContinuousBatcher:
     def _admit(self) -> list[_Sequence]:
         """Waiting sequences, first come first served, while the batch has room for them."""
         joining: list[_Sequence] = []
-        reserved = sum(s.reserved for s in self.running)
+        # The left-aligned cache is rows × its widest row; no row grows past its prompt + max_tokens.
+        widest = max((s.reserved for s in self.running), default=0)
         with self._lock:
+            # Requests given up while waiting leave the queue (and its count) at once.
+            self.waiting = deque(s for s in self.waiting if not s.ticket.cancelled)
             while self.waiting and len(self.running) + len(joining) < self.max_batch_size:
                 sequence = self.waiting[0]
-                if sequence.ticket.cancelled:
-                    self.waiting.popleft()
-                    continue
-                if self.max_batch_tokens is not None and reserved + sequence.reserved > self.max_batch_tokens:
+                rows = len(self.running) + len(joining) + 1
+                if self.max_batch_tokens is not None and rows * max(widest, sequence.reserved) > self.max_batch_tokens:
                     break  # it waits for room; later arrivals wait behind it, so long prompts never starve
                 joining.append(self.waiting.popleft())
-                reserved += sequence.reserved
+                widest = max(widest, sequence.reserved)
         return joining
 
     def _prefill(self, joining: list[_Sequence]) -> None:
@@ -273,6 +303,8 @@ class ContinuousBatcher:
                                                       for layer in cache.layers])
         self.prompt_tokens += sum(len(ids) for ids in prompts)
         self.cached_prompt_tokens += int(lengths.sum())
+        if past is not None:  # no holes between a cached prefix and the rest of its prompt in the batch
+            mask = left_align(cache, mask)
         self.cache.join(cache, mask.to(self.device))
         self.running += joining
         self._advance(joining, logits)
@@ -325,16 +357,16 @@ class ContinuousBatcher:
         for sequence, token in zip(sequences, tokens):
             sequence.batch_size = max(sequence.batch_size, len(self.running))
             delta, reason = sequence.text.add(token)
-            if delta:
-                sequence.listener(delta)
+            if delta and sequence.request.stream:
+                sequence.tell(delta)
             if reason is None:
                 sequence.pending = token
                 continue
             task, confidence = sequence.applied
             completion = sequence.text.completion(len(sequence.request.ids), reason)
             if sequence.request.stream and sequence.text.rest():
-                sequence.listener(sequence.text.rest())
-            sequence.listener(Finished(replace(completion, task=task, confidence=confidence), sequence.batch_size))
+                sequence.tell(sequence.text.rest())
+            sequence.tell(Finished(replace(completion, task=task, confidence=confidence), sequence.batch_size))
             finished.append(sequence)
         self._leave(finished)
 
@@ -369,10 +401,14 @@ class EngineThread:
         return self.batcher.stats()
 
     def close(self) -> None:
+        """Stop stepping; sequences still waiting or running hear that the engine stopped."""
         with self._wake:
             self._closed = True
             self._wake.notify()
         self._thread.join()
+        stopped = DartsError("the generation engine stopped", "send the request again")
+        for sequence in [*self.batcher.running, *self.batcher.waiting]:
+            sequence.tell(stopped)
 
     def _loop(self) -> None:
         while True:
@@ -380,4 +416,7 @@ class EngineThread:
                 self._wake.wait_for(lambda: self._closed or self.batcher.has_work())
                 if self._closed:
                     return
-            self.batcher.step()
+            try:
+                self.batcher.step()
+            except Exception:  # a bug outside any forward: logged, and the thread serves on
+                logger.exception("an engine step failed")

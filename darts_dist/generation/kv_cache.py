@@ -1,9 +1,9 @@
 """A left-aligned batch KV cache that sequences join and leave between decoding steps, and a cache of
 prompt prefixes.
 
-Every row's tokens end at the last column and padding sits at the left (and, after a prefill that
-reused a cached prefix, between the prefix and the rest of the prompt: the mask says which columns
-hold tokens), so one forward decodes every row's next token. A joining batch is padded on the left to
+Every row's tokens end at the last column and padding sits at the left (a prefill that reused a
+cached prefix is left-aligned before it joins), so one forward decodes every row's next token and
+the cache is the batch's rows × its longest row. A joining batch is padded on the left to
 the longer of the two lengths and stacked under the running rows; leaving rows are dropped, and
 columns that are padding in every row left are cut. Only transformers' DynamicCache of full-attention
 layers is taken: its per-layer key and value tensors are [B, heads, S, head_dim].
@@ -29,6 +29,24 @@ def _layers(cache: DynamicCache) -> list[DynamicLayer]:
         raise DartsError(f"continuous batching needs a KV cache of full-attention layers, this model's has {kinds}",
                          "serve a model without sliding-window or static cache layers")
     return layers
+
+
+def check_full_attention(config: PretrainedConfig) -> None:
+    """A DartsError now, for a model whose KV cache the batch cache cannot join and cut."""
+    _layers(DynamicCache(config=config))
+
+
+def left_align(cache: DynamicCache, mask: Tensor) -> Tensor:
+    """Move each row's tokens to the right end of a cache whose mask has holes (a cached prefix, padding, the
+    rest of the prompt), in order; returns the new mask. The columns freed on the left are padding."""
+    width = int(mask.sum(1).max())
+    # A stable sort puts each row's padding first and keeps its tokens in order: the last `width` columns.
+    index = torch.sort(mask, dim=1, stable=True).indices[:, -width:]
+    for layer in _layers(cache):
+        gather = index.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
+                                                                       layer.keys.shape[3])
+        layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+    return torch.gather(mask, 1, index)
 
 
 def _pad_left(tensor: Tensor, length: int, dim: int) -> Tensor:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,5 +77,8 @@ class SequenceText:
 
     def rest(self) -> str:
         """The finished text after what was handed out, so that the pieces add up to the completion's text."""
-        # Only a tokenizer whose decoding of a prefix is not a prefix of the whole breaks the prefix property.
-        return self.text[len(self.sent):] if self.text.startswith(self.sent) else ""
+        if not self.text.startswith(self.sent):
+            # Only a tokenizer whose decoding of a prefix is not a prefix of the whole does this.
+            logger.warning("streamed text %r is not a prefix of the completion %r", self.sent, self.text)
+            return ""
+        return self.text[len(self.sent):]

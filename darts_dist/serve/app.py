@@ -137,7 +137,7 @@ async def _api_error(request: Request, error: ApiError) -> JSONResponse:
 @serve.deployment(max_constructor_retry_count=2)
 @serve.ingress(api)
 class DartsServer:
-    """One replica: the model on its device, the OpenAI routes, and the request batcher."""
+    """One replica: the model on its device, the OpenAI routes, and the generation engine."""
 
     def __init__(self, source: ModelSource, settings: ServeSection, api_key: str | None = None) -> None:
         files = source.fetch()
