@@ -276,7 +276,8 @@ class ContinuousBatcher:
 
         Routed sequences are routed first, on the merged model's hidden states of their prompts. A prompt's
         cached prefix is not computed again: its keys and values sit left-padded before the rest of the
-        prompt, which is left-padded in turn, and the mask and position ids say where each token is.
+        prompt, which is left-padded in turn, and the mask and position ids say where each token is; after
+        the forward the rows are left-aligned, so no hole joins the batch.
         """
         prompts = [s.request.ids for s in joining]
         weights, applied = self.lm.task_weights([s.task_index for s in joining], prompts)
