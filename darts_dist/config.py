@@ -20,6 +20,9 @@ Layer = int | Literal["final"]
 RUN_CONFIG_FILE = "config.yaml"  # the validated config that made the run
 MERGED_FOLDER = "merged"  # the merged model, unless merge.output puts it elsewhere
 CORRECTIONS_FILE = "corrections.safetensors"
+# Prompt tokens whose keys and values a generation engine's prefix cache keeps (~46 kB each for SmolLM2-135M
+# in fp32): serving's default and evaluation's.
+PREFIX_CACHE_TOKENS = 4096
 # Served model ids are NAME:<task>, NAME:merged (no correction) and NAME (task "auto": routed).
 RESERVED_TASKS = ("auto", "merged")
 
@@ -207,7 +210,7 @@ class ServeSection(_Section):
     max_batch_tokens: PositiveInt = 16384
     # Prompt prefixes (a system prompt, a chat template's opening) whose keys and values are kept, per
     # correction, so that a prompt starting the same way is prefilled from where they end; 0: none.
-    prefix_cache_tokens: int = Field(default=4096, ge=0)
+    prefix_cache_tokens: int = Field(default=PREFIX_CACHE_TOKENS, ge=0)
     use_gpu: bool = False  # one GPU per replica
     num_cpus: float = Field(default=1.0, gt=0.0)  # per replica; also its torch threads
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # on GPUs; the CPU computes fp32

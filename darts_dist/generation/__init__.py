@@ -4,17 +4,8 @@
 """
 
 from darts_dist.generation.corrected_lm import CorrectedLM
-from darts_dist.generation.engine import (
-                                          ContinuousBatcher,
-                                          Engine,
-                                          EngineStats,
-                                          EngineThread,
-                                          Event,
-                                          Finished,
-                                          Sampling,
-                                          SequenceRequest,
-                                          Ticket,
-)
+from darts_dist.generation.engine import (ContinuousBatcher, Engine, EngineStats, EngineThread, Event, Finished,
+                                          Sampling, SequenceRequest, Ticket)
 from darts_dist.generation.text import Completion
 
 __all__ = ["Completion", "ContinuousBatcher", "CorrectedLM", "Engine", "EngineStats", "EngineThread", "Event",

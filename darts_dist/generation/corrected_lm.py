@@ -18,24 +18,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.calibrate.features import prompt_features
-from darts_dist.core import (
-    ROUTED,
-    DartsCorrections,
-    TaskRouter,
-    attach_corrections,
-    one_hot_tasks,
-    token_batch,
-    token_nll,
-)
+from darts_dist.core import (ROUTED, DartsCorrections, TaskRouter, attach_corrections, one_hot_tasks, token_batch,
+                             token_nll)
 from darts_dist.errors import DartsError
-from darts_dist.generation.engine import (
-    ContinuousBatcher,
-    Event,
-    Finished,
-    Listener,
-    Sampling,
-    SequenceRequest,
-)
+from darts_dist.generation.engine import ContinuousBatcher, Event, Finished, Listener, Sampling, SequenceRequest
 from darts_dist.generation.text import Completion
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 
@@ -234,7 +220,8 @@ class CorrectedLM:
         if len(continuations) != len(contexts):
             raise DartsError(f"{len(contexts)} contexts but {len(continuations)} continuations",
                              "give one continuation per context")
-        weights, _ = self.task_weights([self.task_index(t) for t in self._task_names(len(contexts), tasks)], route_on or contexts)
+        task_ids = [self.task_index(task) for task in self._task_names(len(contexts), tasks)]
+        weights, _ = self.task_weights(task_ids, route_on or contexts)
         # Right padding: each row's tokens sit at positions 0..n−1, as the forward numbers them without position ids.
         input_ids, attention_mask = token_batch([[*c, *x] for c, x in zip(contexts, continuations)], self.pad_id)
         scored = torch.zeros_like(attention_mask, dtype=torch.bool)

@@ -3,10 +3,9 @@
 A running set of sequences shares one left-aligned KV cache. Each `step` drops the cancelled,
 lets waiting sequences join while the batch has room (`max_batch_size` sequences, and a KV cache
 that can grow to at most `max_batch_tokens` slots: rows × the longest prompt + max_tokens among
-them), prefills the joiners in one
-forward (a prompt prefix seen before, such as a system prompt, is taken from the prefix cache
-instead of computed again), then decodes one token for every running sequence in one forward. Finished sequences
-leave at once, so a short answer never waits for a long one and a waiting request never waits for
+them), prefills the joiners in one forward (a prompt prefix seen before, such as a system prompt,
+is taken from the prefix cache instead of computed again), then decodes one token for every
+running sequence in one forward. Finished sequences leave at once, so a short answer never waits for a long one and a waiting request never waits for
 a whole batch. Everything is per sequence: its task's correction (the hooks take one task weight
 row per sequence, and position ids count from each sequence's own first token), temperature,
 top_p, stop strings, max_tokens and a random generator of its own.
@@ -34,6 +33,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
+from darts_dist.config import PREFIX_CACHE_TOKENS
 from darts_dist.core import token_batch
 from darts_dist.core.batching import mask_positions
 from darts_dist.errors import DartsError
@@ -43,8 +43,6 @@ from darts_dist.generation.sampling import new_generator, next_tokens
 from darts_dist.generation.text import Completion, SequenceText
 
 logger = logging.getLogger(__name__)
-# Prompt tokens whose keys and values the prefix cache keeps (~46 kB each for SmolLM2-135M in fp32).
-PREFIX_CACHE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -87,8 +85,8 @@ class EngineStats:
     waiting: int
     running: int
     generated_tokens: int  # since the engine started
-    prompt_tokens: int = 0  # prefilled since the engine started
-    cached_prompt_tokens: int = 0  # of which the prefix cache held the keys and values
+    prompt_tokens: int  # prefilled since the engine started
+    cached_prompt_tokens: int  # of which the prefix cache held the keys and values
 
 
 class Ticket:
