@@ -143,11 +143,24 @@ def cmd_merge(args: argparse.Namespace) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
+    _calibrate(command_config(args.config, args), args, "calibrate")
+
+
+def cmd_recalibrate(args: argparse.Namespace) -> None:
+    from darts_dist.recalibrate import traffic_config
+
+    config, traffic = traffic_config(command_config(args.config, args), args.from_traffic)
+    console.print(f"recalibrating as {config.name} with captured prompts: "
+                  + ", ".join(f"{task} {traffic['used'][task]} of {count}" for task, count in traffic["captured"].items()))
+    _calibrate(config, args, "recalibrate", {"traffic": traffic})
+
+
+def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes: dict | None = None) -> None:
     from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
 
-    config = command_config(args.config, args)
-    with _session(config.tracking, config.name, "calibrate") as tracking:
+    with _session(config.tracking, config.name, command) as tracking:
         state = prepare(config, tracking)
+        state.report.update(notes or {})
         corrections = run_calibration(state)
         console.print(f"corrections: {corrections}")
         # The registry's alias moves on held-out results, so evaluate whenever there is held-out data.
@@ -268,9 +281,12 @@ def cmd_serve_deploy(args: argparse.Namespace) -> None:
                                    router=args.router, name=args.name)
     settings = serve_settings(config, args.config, host=args.host, port=args.port)
     ray.init(address=address)
-    url = start(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None)
+    url = start(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None, detached=True)
     console.print(f"deployed {source.name} at {url}; it keeps serving on the cluster after this command "
                   "(`serve shutdown` removes it)")
+    if settings.follow_alias:
+        console.print(f"following {source.alias} every {settings.alias_poll_s:g} s (a detached actor, "
+                      "darts-dist-alias-follower, in namespace darts-dist)")
 
 
 REPORT_NAMES = ("report.json", "calibration.json")
@@ -335,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = command("calibrate", "merge (or reuse the merge), calibrate DARTS corrections, evaluate them "
                         "(given held-out data) and register the model", cmd_calibrate)
     calibrate.add_argument("config", type=Path)
+    recalibrate = command("recalibrate", "calibrate again with prompts a server captured (serve.capture), evaluate "
+                          "and register: the alias moves only on a held-out evaluation at least as good", cmd_recalibrate)
+    recalibrate.add_argument("config", type=Path, help="the config of the served model's calibration")
+    recalibrate.add_argument("--from-traffic", type=Path, required=True, metavar="DIR",
+                             help="the folder the server captured into (serve.capture.dir)")
 
     evaluate = command("evaluate", "held-out bias by position and NLL: merged vs. corrected vs. expert", cmd_evaluate)
     evaluate.add_argument("config", type=Path)
@@ -385,11 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="merges to try, e.g. task_arithmetic:weight=0.5 ties:weight=1,density=0.5 "
                        "(default: task arithmetic at 0.3, 0.5, 0.7, 1.0 and TIES at density 0.5)")
     add_config_flags(demo, "--steps")
-    for p in (demo, calibrate, evaluate, ablate, sweep):
+    add_config_flags(recalibrate, "--traffic-share")
+    for p in (demo, calibrate, recalibrate, evaluate, ablate, sweep):
         add_config_flags(p, "--score-limit", "--output-dir")
-    for p in (demo, calibrate):
+    for p in (demo, calibrate, recalibrate):
         add_config_flags(p, "--address", "--in-process")
-    for p in (demo, merge, calibrate, evaluate, register, ablate, sweep):
+    for p in (demo, merge, calibrate, recalibrate, evaluate, register, ablate, sweep):
         p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
     return parser
 

@@ -40,6 +40,9 @@ class DataSpec(_Section):
     heldout: str | None = None
     format: Literal["auto", "text", "chat", "prompt_response"] = "auto"
     text_field: str | None = None
+    # Prompts a server captured for this task (a JSONL that `darts-dist recalibrate --from-traffic` writes):
+    # they take calibration.traffic_share of the calibration samples.
+    traffic: str | None = None
     # How the task's answers are checked (task_scores.SCORERS); auto: the demo task's own scorer for
     # `demo:<task>` held-out data, none otherwise.
     scorer: Literal["auto", "math_exact", "instruct_exact", "code_tests", "humaneval", "none"] = "auto"
@@ -113,6 +116,9 @@ class CalibrationSection(_Section):
     learning_rate: float = Field(default=1e-3, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     validation_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    # The share of num_samples taken from a task's captured traffic (data.traffic), its most recent prompts; the
+    # rest are the calibration file's first rows. Fewer captured prompts than the share: all of them.
+    traffic_share: float = Field(default=0.5, ge=0.0, le=1.0)
     seed: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"
@@ -192,6 +198,37 @@ class TrackingSection(_Section):
     alias: str = "champion"
 
 
+class CaptureSection(_Section):
+    """Opt-in traffic capture: the prompts a server answers, with their task, kept for recalibration.
+
+    Stored per prompt: the prompt's text (a chat's rendered with the chat template), the task whose correction
+    applied (named or routed), whether it was a chat, the model version and the time. Never the response, a
+    key or a header. Each replica buffers prompts and writes them as a new segment file (temporary name, then
+    renamed) every flush_s seconds or segment_bytes; beyond max_bytes the oldest segments are deleted.
+    """
+
+    enabled: bool = False
+    # Where the segments go; relative to the folder the server starts in. On a cluster, storage every
+    # replica's node shares (NFS), or each node keeps its own replicas' prompts.
+    dir: Path = Path("traffic")
+    max_bytes: PositiveInt = 256 * 1024 * 1024
+    segment_bytes: PositiveInt = 4 * 1024 * 1024
+    flush_s: float = Field(default=10.0, gt=0.0)
+
+    @field_validator("dir")
+    @classmethod
+    def _absolute(cls, folder: Path) -> Path:
+        # Absolute where the config is read (the driver), so replicas in other working folders write there too.
+        return folder.expanduser().absolute()
+
+    @model_validator(mode="after")
+    def _segment_fits(self) -> CaptureSection:
+        if self.segment_bytes > self.max_bytes:
+            raise ValueError(f"capture.segment_bytes ({self.segment_bytes}) exceeds capture.max_bytes "
+                             f"({self.max_bytes}); one segment must fit in the store")
+        return self
+
+
 class ServeSection(_Section):
     """The Ray Serve app that exposes the corrected model."""
 
@@ -225,6 +262,15 @@ class ServeSection(_Section):
     max_request_bytes: PositiveInt = 1024 * 1024
     body_timeout_s: float = Field(default=30.0, gt=0.0)
     request_timeout_s: float | None = Field(default=600.0, gt=0.0)
+    # Serving models:/NAME@ALIAS: poll the registry every alias_poll_s and, when the alias moves, roll the
+    # replicas over to the version it names. Without following, a server stays on the version it started on.
+    follow_alias: bool = False
+    alias_poll_s: float = Field(default=30.0, gt=0.0)
+    # Replicas a rolling update may start beyond the target, in percent of it: with 100 every new replica is
+    # ready before an old one stops (no request waits, but it needs room for them); with 0 old replicas stop
+    # first and requests queue while their replacements load.
+    max_surge_percent: int = Field(default=100, ge=0, le=100)
+    capture: CaptureSection = CaptureSection()
 
     @model_validator(mode="before")
     @classmethod
@@ -367,7 +413,8 @@ def resolve_paths(config: RunConfig, root: Path) -> RunConfig:
         data = expert.data
         if data is not None:
             data = updated(data, calibration=_resolve_source(data.calibration, root),
-                           heldout=None if data.heldout is None else _resolve_source(data.heldout, root))
+                           heldout=None if data.heldout is None else _resolve_source(data.heldout, root),
+                           traffic=None if data.traffic is None else str(_resolve(data.traffic, root)))
         experts.append(updated(expert, path=_resolve_source(expert.path, root), data=data))
     sources = updated(config.sources, base=_resolve_source(config.sources.base, root), experts=experts)
     merge = updated(

@@ -44,6 +44,8 @@ class ConfigFlag:
 
 CONFIG_FLAGS = {flag.flag: flag for flag in (
     ConfigFlag("--steps", "calibration.steps", "calibration steps (calibration.steps)", "N"),
+    ConfigFlag("--traffic-share", "calibration.traffic_share",
+               "share of the calibration samples taken from the captured prompts (calibration.traffic_share)", "X"),
     ConfigFlag("--score-limit", "evaluation.score_limit",
                "task-score problems per task, or all (evaluation.score_limit; 0: no task scores)", "N|all"),
     ConfigFlag("--output-dir", "output_dir", "where run folders go (output_dir)", "DIR"),

@@ -3,7 +3,7 @@
     ray job submit --address http://HEAD:8265 --runtime-env jobs/runtime_env.yaml -- \\
         python jobs/run.py calibrate jobs/configs/llama2-7b.yaml
 
-COMMAND is merge, calibrate, evaluate, register or serve-deploy; the rest are that command's
+COMMAND is merge, calibrate, recalibrate, evaluate, register or serve-deploy; the rest are that command's
 arguments, as `darts-dist COMMAND --help` lists them. The runtime env ships the working folder, so
 this driver and every actor of the job import the darts_dist shipped with it, and
 `DARTS_DIST_VERSION` (set there) pins the version the job accepts. Inside a job Ray sets
@@ -23,7 +23,7 @@ import darts_dist  # noqa: E402
 from darts_dist.cli import main as darts_dist_main  # noqa: E402
 
 VERSION_ENV = "DARTS_DIST_VERSION"
-COMMANDS = ("merge", "calibrate", "evaluate", "register", "serve-deploy")  # darts-dist subcommands a job runs
+COMMANDS = ("merge", "calibrate", "recalibrate", "evaluate", "register", "serve-deploy")  # darts-dist subcommands a job runs
 
 
 def main(argv: list[str]) -> int:

@@ -126,13 +126,14 @@ class CorrectedLM:
             raise DartsError("this model's tokenizer has no chat template", "send plain prompts instead of messages")
         return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
-    def encode(self, prompt: str) -> list[int]:
-        """A plain prompt's tokens, with the tokenizer's default special tokens, as calibration text had."""
-        return self.tokenizer(prompt, verbose=False)["input_ids"]
+    def encode(self, prompt: str, rendered: bool = False) -> list[int]:
+        """A plain prompt's tokens, with the tokenizer's default special tokens, as calibration text had; a
+        `rendered` chat prompt (`chat_prompt`) holds its special tokens already."""
+        return self.tokenizer(prompt, add_special_tokens=not rendered, verbose=False)["input_ids"]
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """A conversation's tokens up to the assistant's turn; the rendered template holds its special tokens."""
-        return self.tokenizer(self.chat_prompt(messages), add_special_tokens=False, verbose=False)["input_ids"]
+        """A conversation's tokens up to the assistant's turn."""
+        return self.encode(self.chat_prompt(messages), rendered=True)
 
     def generate(
         self, prompts: Sequence[str], tasks: Sequence[str | None] | None = None, **options: object

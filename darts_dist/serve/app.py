@@ -10,7 +10,10 @@ and its sequences leave the batch at the next step. The engine's queue, running 
 rate are Ray Serve metrics (Prometheus, through Ray's metrics export).
 
 Model ids (`serve.model.model_ids`): `NAME:<task>` applies that task's correction, `NAME` lets the router
-choose (or apply none below its threshold), `NAME:merged` is the uncorrected merged model.
+choose (or apply none below its threshold), `NAME:merged` is the uncorrected merged model. The registered
+version served is named in `/v1/models`, `/healthz` and each choice's `darts` object; with `serve.follow_alias`
+the app follows its alias to new versions (`serve.follow`), and with `serve.capture` each replica keeps the
+prompts it answers (`serve.capture`).
 """
 
 # No `from __future__ import annotations`: Serve's ingress rebuilds the route methods' signatures, and
@@ -22,7 +25,9 @@ import dataclasses
 import hmac
 import logging
 import os
+import functools
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -39,9 +44,12 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.deployment import Application
 
 from darts_dist.config import ServeSection
+from darts_dist.core import ROUTED
 from darts_dist.errors import DartsError
 from darts_dist.generation import (Completion, ContinuousBatcher, CorrectedLM, Engine, EngineThread, Event, Finished,
                                    Sampling, SequenceRequest)
+from darts_dist.serve.capture import CapturedPrompt, TrafficCapture
+from darts_dist.serve.follow import start_follower, stop_follower
 from darts_dist.serve.model import ModelSource, model_ids, resolve_model, serve_settings
 from darts_dist.serve.openai_api import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -51,6 +59,7 @@ from darts_dist.serve.openai_api import (
     CompletionRequest,
     chunk,
     completion_response,
+    darts,
     parse,
     role_chunk,
     sse,
@@ -62,6 +71,7 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "DARTS_DIST_API_KEY"
 APP_NAME = "darts-dist"
 METRICS_INTERVAL_S = 1.0
+GRACEFUL_SHUTDOWN_UNBOUNDED_S = 3600.0  # an old replica's wait for its requests when they have no time limit
 
 
 # --- the deployment ------------------------------------------------------------------------------
@@ -140,6 +150,7 @@ class DartsServer:
     """One replica: the model on its device, the OpenAI routes, and the generation engine."""
 
     def __init__(self, source: ModelSource, settings: ServeSection, api_key: str | None = None) -> None:
+        started = time.monotonic()
         files = source.fetch()
         device = torch.device("cuda" if settings.use_gpu and torch.cuda.is_available() else "cpu")
         self.lm = CorrectedLM.load(
@@ -148,6 +159,7 @@ class DartsServer:
             soft_routing=settings.routing == "soft",
         )
         self.name = source.name
+        self.version = source.version
         self.ids = model_ids(source.name, self.lm.tasks, self.lm.router is not None)
         self.settings = settings
         self.context = int(self.lm.model.config.max_position_embeddings)
@@ -157,23 +169,28 @@ class DartsServer:
         self.engine: Engine = EngineThread(ContinuousBatcher(self.lm, settings.max_batch_size,
                                                              settings.max_batch_tokens, settings.prefix_cache_tokens))
         self.metrics = EngineMetrics(self.engine)
+        self.capture = TrafficCapture(settings.capture) if settings.capture.enabled else None
+        self.load_s = time.monotonic() - started
 
     def __del__(self) -> None:
-        # Serve deletes a replica it stops; its threads go with it (if it got as far as starting them).
-        for part in ("metrics", "engine"):
-            if hasattr(self, part):
+        # Serve deletes a replica it stops; its threads go with it (if it got as far as starting them), and the
+        # prompts it captured are written.
+        for part in ("metrics", "engine", "capture"):
+            if getattr(self, part, None) is not None:
                 getattr(self, part).close()
 
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
         stats = self.engine.stats()
-        return {"status": "ok", "model": self.name, **dataclasses.asdict(stats)}
+        return {"status": "ok", "model": self.name, "model_version": self.version, "load_s": round(self.load_s, 2),
+                "capture": self.capture is not None, **dataclasses.asdict(stats)}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         self.authorize(request)
         return {"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": self.created, "owned_by": "darts-dist"}
+            {"id": model_id, "object": "model", "created": self.created, "owned_by": "darts-dist",
+             "darts": {"model_version": self.version}}
             for model_id in self.ids
         ]}
 
@@ -182,8 +199,10 @@ class DartsServer:
         self.authorize(request)
         body = parse(CompletionRequest, await self.body(request))
         task = self.task(body.model)
-        encoded = [self.lm.encode(prompt) for prompt in body.prompts]
-        return await self.respond(body, task, encoded, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, chat=False)
+        prompts = list(body.prompts)
+        encoded = [self.lm.encode(prompt) for prompt in prompts]
+        return await self.respond(body, task, prompts, encoded, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
+                                  chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
@@ -191,12 +210,13 @@ class DartsServer:
         body = parse(ChatRequest, await self.body(request))
         task = self.task(body.model)
         try:
-            encoded = [self.lm.encode_chat(body.conversation)]
+            prompt = self.lm.chat_prompt(body.conversation)
         except DartsError as error:
             raise ApiError(400, str(error), param="messages") from None
+        encoded = [self.lm.encode(prompt, rendered=True)]
         # Without a limit a reply may run to the end of the context, up to the server's limit.
         max_tokens = body.token_limit or min(self.settings.max_tokens_limit, max(1, self.context - len(encoded[0])))
-        return await self.respond(body, task, encoded, max_tokens, chat=True)
+        return await self.respond(body, task, [prompt], encoded, max_tokens, chat=True)
 
     def authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -233,8 +253,8 @@ class DartsServer:
                            "shorten the prompt or lower max_tokens", param="prompt", code="context_length_exceeded")
 
     async def respond(
-        self, body: CompletionRequest | ChatRequest, task: str | None, encoded: list[list[int]], max_tokens: int,
-        chat: bool,
+        self, body: CompletionRequest | ChatRequest, task: str | None, prompts: list[str], encoded: list[list[int]],
+        max_tokens: int, chat: bool,
     ) -> Any:
         for ids in encoded:
             self.check_length(ids, max_tokens)
@@ -244,18 +264,26 @@ class DartsServer:
                             body.stop_strings, None if temperature == 0 else body.seed, body.ignore_eos)
         requests = [SequenceRequest(tuple(ids), task, sampling, body.stream) for ids in encoded]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+        def keep(index: int, completion: Completion) -> None:  # a finished sequence's prompt, when capturing
+            if self.capture is not None:
+                self.capture.record(CapturedPrompt(prompts[index], completion.task, task == ROUTED, chat,
+                                                   self.version, time.time()))
+
         if body.stream:
-            return StreamingResponse(self.stream(rid, body, requests, chat), media_type="text/event-stream")
+            return StreamingResponse(self.stream(rid, body, requests, chat, keep), media_type="text/event-stream")
         results: dict[int, Finished] = {}
         async with contextlib.aclosing(self.generate(rid, requests)) as events:
             async for index, event in events:
                 if isinstance(event, Finished):
                     results[index] = event
-        return completion_response(rid, self.created, body.model,
+                    keep(index, event.completion)
+        return completion_response(rid, self.created, body.model, self.version,
                                    [(results[i].completion, results[i].batch_size) for i in range(len(requests))], chat)
 
     async def stream(
-        self, rid: str, body: CompletionRequest | ChatRequest, requests: list[SequenceRequest], chat: bool
+        self, rid: str, body: CompletionRequest | ChatRequest, requests: list[SequenceRequest], chat: bool,
+        keep: Callable[[int, Completion], None],
     ) -> AsyncIterator[str]:
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; an error mid-stream is sent
         as an error object (the status line is gone by then)."""
@@ -267,8 +295,9 @@ class DartsServer:
                 async for index, event in events:
                     if isinstance(event, Finished):
                         finished.append(event.completion)
+                        keep(index, event.completion)
                         yield sse(chunk(rid, self.created, body.model, index, None, event.completion.finish_reason,
-                                        chat))
+                                        chat, darts(event.completion, event.batch_size, self.version)))
                     elif event:
                         yield sse(chunk(rid, self.created, body.model, index, event, None, chat))
             if body.include_usage:
@@ -319,6 +348,10 @@ def build_app(source: ModelSource, settings: ServeSection, api_key: str | None =
     options: dict[str, Any] = {
         "max_ongoing_requests": settings.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": settings.num_cpus, "num_gpus": 1 if settings.use_gpu else 0},
+        # A rolling update (a new version, `serve.follow_alias`) starts new replicas before it stops old ones,
+        # and lets an old one finish its requests, streams too, as long as the proxy would let them run.
+        "max_surge_percent": settings.max_surge_percent,
+        "graceful_shutdown_timeout_s": settings.request_timeout_s or GRACEFUL_SHUTDOWN_UNBOUNDED_S,
     }
     if settings.autoscaling_config is not None:
         try:
@@ -344,15 +377,43 @@ def app_builder(args: dict[str, Any]) -> Application:
     return build_app(source, serve_settings(config, **args), api_key)
 
 
-def start(source: ModelSource, settings: ServeSection, api_key: str | None = None) -> str:
-    """Start Serve's HTTP proxy on settings.host:port and deploy the app; returns its OpenAI base URL.
+def deploy(source: ModelSource, settings: ServeSection, api_key: str | None) -> None:
+    """Deploy (or roll over to) the app on `source`; returns once its replicas run, raises if they cannot start."""
+    serve.run(build_app(source, settings, api_key), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def check_capture_folder(settings: ServeSection) -> None:
+    """A capture folder the replicas cannot write to fails here, on the driver, before any replica starts."""
+    if not settings.capture.enabled:
+        return
+    folder = settings.capture.dir
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
+            pass
+    except OSError as error:
+        raise DartsError(f"serve.capture.dir {folder} is not a writable folder: {error}",
+                         "point serve.capture.dir at a folder the server may write, or set capture.enabled: false")
+
+
+def start(source: ModelSource, settings: ServeSection, api_key: str | None = None, detached: bool = False) -> str:
+    """Start Serve's HTTP proxy on settings.host:port and deploy the app; returns its OpenAI base URL. With
+    `serve.follow_alias` a follower starts too (`detached`: it outlives this driver).
 
     Returns once every replica has loaded the model.
     """
+    if settings.follow_alias and source.alias is None:
+        raise DartsError(f"serve.follow_alias follows a models:/NAME@ALIAS, but this server serves "
+                         f"{source.registered or 'local files'}", "serve models:/NAME@ALIAS, or set follow_alias: false")
+    check_capture_folder(settings)
     # request_timeout_s: the proxy answers 408 to a request still unanswered then (its own end-to-end bound).
     serve.start(http_options={"host": settings.host, "port": settings.port,
                               "request_timeout_s": settings.request_timeout_s})
-    serve.run(build_app(source, settings, api_key), name=APP_NAME, route_prefix="/", blocking=False)
+    stop_follower()  # one left by an earlier deploy must not move this app
+    deploy(source, settings, api_key)
+    if settings.follow_alias:
+        start_follower(source, functools.partial(deploy, settings=settings, api_key=api_key), settings.alias_poll_s,
+                       detached)
     return f"http://{settings.host}:{settings.port}/v1"
 
 
@@ -386,11 +447,17 @@ def run_foreground(
         url = start(source, settings, api_key)
         say(f"serving {source.name} at {url} (GET /v1/models lists the model ids; Ctrl-C stops)")
         say(f"Prometheus metrics (darts_serve_* and Ray Serve's own) at {metrics_url()}")
+        if settings.follow_alias:
+            say(f"following {source.alias} (version {source.version} now) every {settings.alias_poll_s:g} s")
+        if settings.capture.enabled:
+            say(f"capturing served prompts (no responses) in {settings.capture.dir}, at most "
+                f"{settings.capture.max_bytes} bytes")
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
         logger.info("stopping the server")
     finally:
+        stop_follower()
         if joined:
             serve.delete(APP_NAME)
         else:

@@ -29,9 +29,15 @@ class ModelSource:
     """What each replica loads: a registered version (fetched on the replica's own node) or local files."""
 
     name: str
-    registered: str | None = None  # models:/NAME@ALIAS or models:/NAME/VERSION
+    registered: str | None = None  # models:/NAME/VERSION, pinned on the driver
     tracking_uri: str | None = None
     files: ModelFiles | None = None
+    alias: str | None = None  # the models:/NAME@ALIAS it was pinned from, which a follower watches
+
+    @property
+    def version(self) -> str | None:
+        """The registered version served (None: local files)."""
+        return None if self.registered is None else self.registered.rsplit("/", 1)[1]
 
     def fetch(self) -> ModelFiles:
         if self.files is not None:
@@ -71,7 +77,8 @@ def resolve_model(
         # Pinned to the version the alias names now: a replica added later (autoscaling, a restart)
         # must serve the same model even if the alias has moved on.
         pinned = f"models:/{version.name}/{version.version}"
-        return (ModelSource(name=name or version.name, registered=pinned, tracking_uri=uri),
+        alias = model if "@" in model else None
+        return (ModelSource(name=name or version.name, registered=pinned, tracking_uri=uri, alias=alias),
                 version_config(client, version))
     folder = Path(model).absolute()
     if not folder.is_dir():

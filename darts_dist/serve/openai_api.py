@@ -156,10 +156,11 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def _darts(completion: Completion, batch_size: int) -> dict[str, Any]:
-    # Beyond OpenAI's fields, under one key: the correction applied, the router's confidence (routed
-    # requests) and how many sequences were generated together.
-    return {"task": completion.task, "confidence": completion.confidence, "batch_size": batch_size}
+def darts(completion: Completion, batch_size: int, model_version: str | None) -> dict[str, Any]:
+    """Beyond OpenAI's fields, under one key: the correction applied, the router's confidence (routed
+    requests), how many sequences were generated together, and the registered version that answered."""
+    return {"task": completion.task, "confidence": completion.confidence, "batch_size": batch_size,
+            "model_version": model_version}
 
 
 def usage(completions: Sequence[Completion]) -> dict[str, int]:
@@ -169,13 +170,14 @@ def usage(completions: Sequence[Completion]) -> dict[str, int]:
 
 
 def completion_response(
-    rid: str, created: int, model: str, results: Sequence[tuple[Completion, int]], chat: bool
+    rid: str, created: int, model: str, model_version: str | None, results: Sequence[tuple[Completion, int]],
+    chat: bool,
 ) -> dict[str, Any]:
     """The non-streamed reply: one choice per (completion, batch size), with the usage of all of them."""
     choices = []
     for index, (completion, batch_size) in enumerate(results):
         choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": completion.finish_reason,
-                                  "darts": _darts(completion, batch_size)}
+                                  "darts": darts(completion, batch_size, model_version)}
         if chat:
             choice["message"] = {"role": "assistant", "content": completion.text}
         else:
@@ -186,10 +188,14 @@ def completion_response(
 
 
 def chunk(
-    rid: str, created: int, model: str, index: int, text: str | None, finish_reason: str | None, chat: bool
+    rid: str, created: int, model: str, index: int, text: str | None, finish_reason: str | None, chat: bool,
+    details: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streamed piece of choice `index`; a chat chunk carries it as a `delta`."""
+    """One streamed piece of choice `index`; a chat chunk carries it as a `delta`; a choice's last chunk carries
+    its `darts` object (`details`)."""
     choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
+    if details is not None:
+        choice["darts"] = details
     if chat:
         choice["delta"] = {} if text is None else {"content": text}
     else:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import codecs
+import json
+import logging
 import tempfile
 import textwrap
 from collections.abc import Sequence
@@ -30,6 +32,7 @@ from darts_dist.core import TokenizedSet
 from darts_dist.errors import DartsError
 from darts_dist.sources.models import pad_id
 
+logger = logging.getLogger(__name__)
 Format = Literal["text", "chat", "prompt_response"]
 _FORMATS = ("text", "chat", "prompt_response")
 _LOADERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
@@ -47,20 +50,23 @@ class TaskFiles:
     scorer: str = "none"
     text_field: str | None = None
     format: str = "auto"
+    traffic: Path | None = None  # captured prompts (`traffic_prompts`), mixed into the calibration split
 
 
 def split_rows(
-    files: TaskFiles, split: Literal["calibration", "validation", "heldout"], settings: CalibrationSection
+    files: TaskFiles, split: Literal["calibration", "validation", "heldout"], settings: CalibrationSection,
+    limit: int | None = None,
 ) -> datasets.Dataset:
     """A task's rows of one split: held-out; or validation, the rows held back from calibration for tuning;
-    or calibration, the first `num_samples` of the rest."""
+    or calibration, the first `num_samples` (or `limit`) of the rest."""
     if split == "heldout":
         if files.heldout is None:
             raise DartsError("this task has no held-out data", "set its data.heldout")
         return load_rows(files.heldout, text_field=files.text_field)
     rows = calibration_split(load_rows(files.calibration, text_field=files.text_field),
                              settings.validation_fraction, split)
-    return rows.select(range(min(settings.num_samples, len(rows)))) if split == "calibration" else rows
+    count = settings.num_samples if limit is None else limit
+    return rows.select(range(min(count, len(rows)))) if split == "calibration" else rows
 
 
 def tokenized(
@@ -68,9 +74,38 @@ def tokenized(
     settings: CalibrationSection, tokenizer,
 ) -> TokenizedSet:
     """A task's calibration, validation or held-out set, tokenised with the base's tokenizer and cut to
-    `max_length`: what calibration trains on and evaluation measures."""
-    return tokenize_rows(split_rows(files, split, settings), tokenizer, task, max_length=settings.max_length,
-                         fmt=files.format, text_field=files.text_field)
+    `max_length`: what calibration trains on and evaluation measures.
+
+    With captured traffic (`files.traffic`), the calibration split is its most recent prompts, up to
+    `traffic_share` of `num_samples`, after the calibration file's first rows for the rest.
+    """
+    traffic: list[list[int]] = []
+    if split == "calibration" and files.traffic is not None:
+        captured = traffic_prompts(files.traffic, tokenizer)
+        traffic = captured[len(captured) - min(len(captured), round(settings.traffic_share * settings.num_samples)):]
+        logger.info("calibrate: task %r takes %d of its %d samples from the %d prompts captured in %s", task,
+                    len(traffic), settings.num_samples, len(captured), files.traffic)
+    rows = split_rows(files, split, settings, limit=settings.num_samples - len(traffic))
+    return tokenize_rows(rows, tokenizer, task, max_length=settings.max_length, fmt=files.format,
+                         text_field=files.text_field, traffic=traffic)
+
+
+def traffic_prompts(path: Path, tokenizer) -> list[list[int]]:
+    """The token ids of a task's captured prompts: a JSONL of {"prompt": text, "chat": bool} rows, oldest first, as
+    `darts-dist recalibrate` writes them. A chat prompt was rendered with the chat template and holds its special
+    tokens, so it is tokenised as the server tokenised it."""
+    path = Path(path)
+    if not path.is_file():
+        raise DartsError(f"traffic file {path} does not exist", "run `darts-dist recalibrate --from-traffic` again")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            row = json.loads(line)
+            prompts.append(tokenizer(row["prompt"], add_special_tokens=not row["chat"], verbose=False)["input_ids"])
+        except (ValueError, TypeError, KeyError) as error:
+            raise DartsError(f"traffic file {path}, line {number}, is not a {{prompt, chat}} row: {error!r}",
+                             "write it with `darts-dist recalibrate --from-traffic`") from None
+    return prompts
 
 
 def load_rows(
@@ -171,8 +206,10 @@ def tokenize_rows(
     max_samples: int | None = None,
     fmt: str = "auto",
     text_field: str | None = None,
+    traffic: Sequence[Sequence[int]] = (),
 ) -> TokenizedSet:
-    """Tokenise the first `max_samples` rows of `ds` into a right-padded `TokenizedSet`.
+    """Tokenise the first `max_samples` rows of `ds` into a right-padded `TokenizedSet`, then the `traffic`
+    prompts (token ids, every token counting as response).
 
     text: `tokenizer(text)` with its default special tokens (BOS where it adds one).
     chat: the chat template's rendering; the response mask covers each assistant turn's
@@ -212,6 +249,8 @@ def tokenize_rows(
             response = tokenizer(_response(row), add_special_tokens=False, verbose=False)["input_ids"]
             sample = (prompt + response, [False] * len(prompt) + [True] * len(response))
         samples.append(sample)
+    # A captured prompt has no answer: all of it is what the corrected model will read.
+    samples += [(list(ids), [True] * len(ids)) for ids in traffic]
 
     kept = [(ids[:max_length], mask[:max_length], len(ids) > max_length) for ids, mask in samples if len(ids) >= 2]
     if not kept:

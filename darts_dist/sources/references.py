@@ -94,6 +94,7 @@ def _task_files(data: DataSpec) -> TaskFiles:
         scorer=scorer_name(data),
         text_field=data.text_field,
         format=data.format,
+        traffic=None if data.traffic is None else Path(data.traffic),
     )
 
 
@@ -114,6 +115,9 @@ def resolve_sources(config: RunConfig) -> ResolvedSources:
         for path in (files.calibration, files.heldout):
             if path is not None:
                 load_rows(path, text_field=files.text_field)
+        if files.traffic is not None and not files.traffic.is_file():
+            raise DartsError(f"traffic file {files.traffic} does not exist",
+                             "remove data.traffic, or recalibrate with --from-traffic again")
     base = _resolve_model(config.sources.base)
     experts = {e.task: _resolve_model(e.path) for e in config.sources.experts}
     # A PEFT LoRA adapter becomes a full-weight expert first: mergekit merges full models.

@@ -1,0 +1,65 @@
+"""Recalibration from served traffic (`darts-dist recalibrate CONFIG --from-traffic DIR`).
+
+The prompts a server captured (`serve.capture`) become calibration samples of the task whose correction
+answered them: each task's prompts go to a JSONL in a run folder of their own, which the run's config names as
+`data.traffic`, and calibration takes `calibration.traffic_share` of its samples from them (the most recent),
+the rest from the calibration file as before. The expert actors produce the targets as for any calibration;
+the run is evaluated on the held-out sets and registered under the same model name, so the alias moves only
+under the registry's rule, and a server following the alias moves with it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from darts_dist.config import RunConfig, updated
+from darts_dist.errors import DartsError
+from darts_dist.fsutil import atomic_file
+from darts_dist.serve.capture import read_traffic
+from darts_dist.tracking.registry import registered_model_name
+
+TRAFFIC_FOLDER = "traffic"  # in the recalibration's run folder: one JSONL of captured prompts per task
+
+
+def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = None) -> tuple[RunConfig, dict]:
+    """The config of a recalibration of `config` from the prompts captured in `traffic_dir`, and what it takes
+    from them.
+
+    Its run is `NAME-traffic-STAMP` (a folder of its own, next to the original run's), on the original run's
+    merge, registered as the original run's model.
+    """
+    missing = [e.task for e in config.sources.experts if e.data is None or e.data.heldout is None]
+    if missing:
+        raise DartsError(f"tasks {missing} have no held-out data: a recalibration registers, and the alias moves "
+                         "only on a held-out evaluation", "set sources.experts[...].data.heldout for each task")
+    captured = read_traffic(traffic_dir, config.tasks)
+    if not captured:
+        raise DartsError(f"{traffic_dir} holds no captured prompt of the tasks {list(config.tasks)} (prompts no "
+                         "correction answered are not kept)", "serve this config's model with capture on first")
+    name = f"{config.name}-traffic-{stamp or time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    folder = config.output_dir / name / TRAFFIC_FOLDER
+    experts = []
+    for expert in config.sources.experts:
+        prompts = captured.get(expert.task)
+        if prompts:
+            path = folder / f"{expert.task}.jsonl"
+            with atomic_file(path) as tmp:
+                tmp.write_text("".join(json.dumps({"prompt": p.prompt, "chat": p.chat}) + "\n" for p in prompts))
+            expert = updated(expert, data=updated(expert.data, traffic=str(path)))
+        experts.append(expert)
+    recalibration = updated(
+        config, name=name, sources=updated(config.sources, experts=experts),
+        merge=updated(config.merge, output=config.merged_dir),  # the same merge: reused, not merged again
+        tracking=updated(config.tracking, registered_model=registered_model_name(config)),
+    )
+    share = config.calibration.traffic_share
+    summary = {
+        "from": str(Path(traffic_dir).absolute()),
+        "share": share,
+        "captured": {task: len(prompts) for task, prompts in captured.items()},
+        "used": {task: min(len(prompts), round(share * config.calibration.num_samples))
+                 for task, prompts in captured.items()},
+    }
+    return recalibration, summary

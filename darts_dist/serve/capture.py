@@ -1,0 +1,144 @@
+"""Opt-in traffic capture (`serve.capture`): the prompts a server answers, kept in a bounded folder of segments.
+
+Each replica buffers its prompts and writes them out as a new segment, `capture-<ms>-<writer>-<n>.jsonl`, every
+`flush_s` seconds or `segment_bytes`, under a temporary name first and renamed when complete, so a reader never
+sees half a segment. After each write the oldest segments go until the folder holds at most `max_bytes`. A record
+is the prompt's text (a chat's rendered with the chat template), the task whose correction applied, whether it
+was a chat, the model version and the time: never the response, a key or a header. Capture never fails a
+request: a segment that cannot be written is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from darts_dist.config import CaptureSection
+from darts_dist.errors import DartsError
+
+logger = logging.getLogger(__name__)
+SEGMENT_GLOB = "capture-*.jsonl"
+
+
+@dataclass(frozen=True)
+class CapturedPrompt:
+    """One served prompt. `task`: the correction that applied (None: none); `routed`: the router chose it;
+    `chat`: the prompt is a rendered chat, holding its special tokens already."""
+
+    prompt: str
+    task: str | None
+    routed: bool
+    chat: bool
+    model_version: str | None
+    time: float
+
+
+def segments(folder: Path) -> list[Path]:
+    """The folder's complete segments, oldest first (their names start with the time they were written)."""
+    return sorted(folder.glob(SEGMENT_GLOB))
+
+
+class TrafficCapture:
+    """One replica's writer: `record` is cheap (a buffer append); a thread of its own writes the segments."""
+
+    def __init__(self, settings: CaptureSection) -> None:
+        self.settings = settings
+        self.folder = settings.dir
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.writer = uuid.uuid4().hex[:8]
+        self.written = 0  # segments written by this writer
+        self.dropped = 0  # records lost to failed writes
+        self._lines: list[str] = []
+        self._size = 0
+        self._lock = threading.Lock()
+        self._full = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="darts-capture", daemon=True)
+        self._thread.start()
+
+    def record(self, prompt: CapturedPrompt) -> None:
+        line = json.dumps(asdict(prompt), ensure_ascii=False) + "\n"
+        with self._lock:
+            self._lines.append(line)
+            self._size += len(line.encode())
+            if self._size >= self.settings.segment_bytes:
+                self._full.set()
+
+    def flush(self) -> None:
+        """Write what is buffered as one segment, then trim the folder to max_bytes."""
+        with self._lock:
+            lines, self._lines, self._size = self._lines, [], 0
+            self._full.clear()
+        if not lines:
+            return
+        name = f"capture-{time.time_ns() // 1_000_000:013d}-{self.writer}-{self.written:06d}.jsonl"
+        tmp = self.folder / f".{name}.tmp"
+        try:
+            tmp.write_text("".join(lines), encoding="utf-8")
+            os.replace(tmp, self.folder / name)
+            self.written += 1
+            self._trim()
+        except OSError as error:
+            with contextlib.suppress(OSError):  # the folder itself may be what is gone
+                tmp.unlink(missing_ok=True)
+            self.dropped += len(lines)
+            logger.error("traffic capture: %d prompts not written to %s: %s", len(lines), self.folder, error)
+
+    def _trim(self) -> None:
+        found = []
+        for path in segments(self.folder):
+            try:
+                found.append((path, path.stat().st_size))
+            except FileNotFoundError:  # another replica trimmed it
+                pass
+        total = sum(size for _, size in found)
+        for path, size in found:
+            if total <= self.settings.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._full.wait(self.settings.flush_s)
+            self.flush()
+
+    def close(self) -> None:
+        """Write what is left and stop the thread."""
+        self._stop.set()
+        self._full.set()
+        self._thread.join(timeout=30)
+        self.flush()
+
+
+def read_traffic(folder: Path, tasks: tuple[str, ...]) -> dict[str, list[CapturedPrompt]]:
+    """Every task's captured prompts in `folder`, oldest first; prompts without a task (no correction applied,
+    or the router below its threshold) and of tasks the config does not have are left out."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DartsError(f"the traffic folder {folder} does not exist",
+                         "pass the folder a server captured into (its serve.capture.dir)")
+    found = segments(folder)
+    if not found:
+        raise DartsError(f"{folder} holds no captured traffic ({SEGMENT_GLOB})",
+                         "serve with serve.capture.enabled: true and send requests first")
+    prompts: dict[str, list[CapturedPrompt]] = defaultdict(list)
+    for path in found:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                prompt = CapturedPrompt(**json.loads(line))
+            except (ValueError, TypeError) as error:
+                raise DartsError(f"{path}, line {number}, is not a captured prompt: {error}",
+                                 "remove the file; darts-dist writes only whole segments") from None
+            if prompt.task in tasks:
+                prompts[prompt.task].append(prompt)
+    by_time = {task: sorted(rows, key=lambda p: p.time) for task, rows in prompts.items()}
+    return {task: by_time[task] for task in tasks if task in by_time}

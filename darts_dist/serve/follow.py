@@ -1,0 +1,106 @@
+"""Following an alias (`serve.follow_alias`): the served app moves to whichever version `models:/NAME@ALIAS` names.
+
+A follower polls the registry every `serve.alias_poll_s`. When the alias names another version, it deploys the
+same app on that version; Ray Serve rolls the replicas over (with `serve.max_surge_percent` > 0, each new
+replica loads and passes its health check before an old one stops, and an old one finishes its requests before
+it goes), so requests keep being answered throughout. A version whose replicas fail to start is set aside (the
+old replicas go on serving, and the app is deployed on them again) until the alias moves once more. A registry
+that does not answer is retried at the next poll; the server serves on.
+
+The follower runs as a Ray actor, so `darts-dist serve` and `serve-deploy` (where it outlives the command,
+detached) follow the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import ray
+from mlflow.exceptions import MlflowException
+
+from darts_dist.errors import DartsError
+from darts_dist.logs import show_progress_logs
+from darts_dist.serve.model import ModelSource
+from darts_dist.tracking.registry import model_version
+from darts_dist.tracking.runs import connect
+
+logger = logging.getLogger(__name__)
+FOLLOWER_NAME = "darts-dist-alias-follower"
+FOLLOWER_NAMESPACE = "darts-dist"
+
+Deploy = Callable[[ModelSource], None]  # deploys the app on a source; returns once its replicas run
+
+
+class AliasFollower:
+    """Moves the app to the version the alias names; `poll` is one look at the registry."""
+
+    def __init__(self, source: ModelSource, deploy: Deploy, poll_s: float) -> None:
+        self.source = source
+        self.deploy = deploy
+        self.poll_s = poll_s
+        self.set_aside: set[str] = set()  # versions whose replicas failed to start
+        self._stop = threading.Event()
+
+    def named(self) -> ModelSource:
+        """The source the alias names now."""
+        version = model_version(connect(self.source.tracking_uri), self.source.alias)
+        return dataclasses.replace(self.source, registered=f"models:/{version.name}/{version.version}")
+
+    def poll(self) -> bool:
+        """Look at the alias once; move the app if it names a version not served and not set aside. Whether
+        the app moved."""
+        target = self.named()
+        if target.registered == self.source.registered or target.version in self.set_aside:
+            return False
+        logger.info("%s moved from version %s to %s: rolling the replicas over", self.source.alias,
+                    self.source.version, target.version)
+        started = time.monotonic()
+        try:
+            self.deploy(target)
+        except Exception as error:  # noqa: BLE001 - Serve's deploy failure; the old replicas still serve
+            self.set_aside.add(target.version)
+            logger.error("version %s did not start (%s); serving version %s on, until %s moves again",
+                         target.version, error, self.source.version, self.source.alias)
+            self.deploy(self.source)
+            return False
+        self.source = target
+        logger.info("serving %s (version %s): rolling update done in %.1f s", target.alias, target.version,
+                    time.monotonic() - started)
+        return True
+
+    def follow(self) -> None:
+        """Poll until `stop`; a registry that does not answer is retried at the next poll."""
+        show_progress_logs()  # in a Ray actor: its lines reach the driver's console (or the actor's log file)
+        logger.info("following %s every %g s, from version %s", self.source.alias, self.poll_s, self.source.version)
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except (DartsError, MlflowException, OSError) as error:
+                logger.warning("could not read %s (serving version %s on): %s", self.source.alias,
+                               self.source.version, error)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def stop_follower() -> None:
+    """Stop the cluster's follower, if it has one (an app deleted or deployed anew must not be moved by it)."""
+    try:
+        ray.kill(ray.get_actor(FOLLOWER_NAME, namespace=FOLLOWER_NAMESPACE))
+    except ValueError:  # none
+        pass
+
+
+def start_follower(source: ModelSource, deploy: Deploy, poll_s: float, detached: bool) -> ray.actor.ActorHandle:
+    """The follower as a named Ray actor (one per cluster: `start` stops an earlier deploy's first),
+    already following; `detached` outlives the driver that starts it (`serve-deploy`)."""
+    actor = ray.remote(AliasFollower).options(
+        name=FOLLOWER_NAME, namespace=FOLLOWER_NAMESPACE, lifetime="detached" if detached else None, num_cpus=0,
+        max_concurrency=2,  # follow() runs for good; stop() must still get through
+    ).remote(source, deploy, poll_s)
+    actor.follow.remote()
+    return actor

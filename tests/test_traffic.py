@@ -1,0 +1,171 @@
+"""Traffic capture's bounded store, and captured prompts becoming calibration samples (issue 17)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from darts_dist.cli import main
+from darts_dist.config import CalibrationSection, CaptureSection, load_config, parse_config
+from darts_dist.errors import DartsError
+from darts_dist.recalibrate import traffic_config
+from darts_dist.serve.capture import CapturedPrompt, TrafficCapture, read_traffic, segments
+from darts_dist.sources.data import TaskFiles, tokenized
+
+TASKS = ("code", "math")
+
+
+def prompt(text: str, task: str | None, at: float, chat: bool = False) -> CapturedPrompt:
+    return CapturedPrompt(text, task, routed=False, chat=chat, model_version="1", time=at)
+
+
+def test_captured_prompts_are_written_as_whole_segments_and_read_back_per_task(tmp_path: Path) -> None:
+    capture = TrafficCapture(CaptureSection(enabled=True, dir=tmp_path, flush_s=3600))
+    capture.record(prompt("def f(x):", "code", 1.0))
+    capture.record(prompt("1 + 1 =", "math", 2.0))
+    assert segments(tmp_path) == []  # buffered, nothing half-written on disk
+    capture.flush()
+    capture.record(prompt("def g(y):", "code", 3.0))
+    capture.record(prompt("unrouted", None, 4.0))
+    capture.record(prompt("a task this config lacks", "poetry", 5.0))
+    capture.close()  # writes the rest
+    assert len(segments(tmp_path)) == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    read = read_traffic(tmp_path, TASKS)
+    assert [p.prompt for p in read["code"]] == ["def f(x):", "def g(y):"]
+    assert [p.prompt for p in read["math"]] == ["1 + 1 ="]
+    # What a record holds, and nothing more: no response, key or header.
+    record = json.loads(segments(tmp_path)[0].read_text().splitlines()[0])
+    assert set(record) == {"prompt", "task", "routed", "chat", "model_version", "time"}
+
+
+def test_a_full_buffer_is_written_at_once_and_the_store_stays_under_its_cap(tmp_path: Path) -> None:
+    line = len(json.dumps({"prompt": "x" * 100, "task": "code", "routed": False, "chat": False,
+                           "model_version": "1", "time": 0.0})) + 1
+    settings = CaptureSection(enabled=True, dir=tmp_path, flush_s=3600, segment_bytes=4 * line, max_bytes=10 * line)
+    capture = TrafficCapture(settings)
+    for i in range(40):
+        capture.record(prompt("x" * 100, "code", float(i)))
+        if i % 4 == 3:  # a segment's worth: the writer thread writes it without waiting for flush_s
+            deadline = time.monotonic() + 10
+            while capture.written < (i + 1) // 4:
+                assert time.monotonic() < deadline, "a full buffer was not written"
+                time.sleep(0.01)
+    capture.close()
+    kept = segments(tmp_path)
+    assert sum(p.stat().st_size for p in kept) <= settings.max_bytes
+    assert len(kept) == 2  # the newest two segments of four records
+    assert [p.time for p in read_traffic(tmp_path, TASKS)["code"]] == [float(i) for i in range(32, 40)]
+
+
+def test_a_segment_that_cannot_be_written_is_dropped_without_failing_the_server(tmp_path: Path) -> None:
+    folder = tmp_path / "capture"
+    capture = TrafficCapture(CaptureSection(enabled=True, dir=folder, flush_s=3600))
+    folder.rmdir()
+    folder.write_text("not a folder any more")
+    capture.record(prompt("def f(x):", "code", 1.0))
+    capture.close()
+    assert capture.dropped == 1
+
+
+def test_capture_settings_are_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert CaptureSection(dir=Path("traffic")).dir == tmp_path / "traffic"  # absolute where the config is read
+    assert not CaptureSection().enabled  # opt-in
+    with pytest.raises(ValueError, match="segment_bytes"):
+        CaptureSection(segment_bytes=2048, max_bytes=1024)
+
+
+def write_task_files(folder: Path) -> dict[str, Path]:
+    files = {}
+    for task in TASKS:
+        files[task] = folder / f"{task}.jsonl"
+        files[task].write_text("".join(json.dumps({"text": f"{task} row {i} " * 3}) + "\n" for i in range(10)))
+    return files
+
+
+def test_captured_prompts_take_their_share_of_the_calibration_samples(tmp_path: Path, tiny_tokenizer) -> None:
+    data = write_task_files(tmp_path)
+    traffic = tmp_path / "code-traffic.jsonl"
+    rows = [{"prompt": f"def old_{i}(x):", "chat": False} for i in range(5)]
+    rows.append({"prompt": tiny_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                               add_generation_prompt=True), "chat": True})
+    traffic.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = CalibrationSection(num_samples=8, max_length=64, traffic_share=0.5)
+    mixed = tokenized(TaskFiles(data["code"], None, traffic=traffic), "code", "calibration", settings, tiny_tokenizer)
+    # By hand: the file's first 4 rows, then the 4 most recent captured prompts, the chat one without added
+    # special tokens (its template holds them), every token counting.
+    expected = [tiny_tokenizer(f"code row {i} " * 3)["input_ids"] for i in range(4)]
+    expected += [tiny_tokenizer(r["prompt"], add_special_tokens=not r["chat"])["input_ids"] for r in rows[2:]]
+    assert len(mixed) == 8
+    for row, ids in enumerate(expected):
+        length = int(mixed.attention_mask[row].sum())
+        assert mixed.input_ids[row, :length].tolist() == ids[:64]
+    assert mixed.response_mask[4:].sum() == mixed.attention_mask[4:].sum()
+    # Fewer captured prompts than the share asks: all of them; a share of 0: none.
+    most = tokenized(TaskFiles(data["code"], None, traffic=traffic), "code", "calibration",
+                     CalibrationSection(num_samples=8, max_length=64, traffic_share=1.0), tiny_tokenizer)
+    assert len(most) == 8 and most.input_ids[0, :3].tolist() == expected[0][:3]  # 2 file rows + 6 captured
+    none = tokenized(TaskFiles(data["code"], None, traffic=traffic), "code", "calibration",
+                     CalibrationSection(num_samples=8, max_length=64, traffic_share=0.0), tiny_tokenizer)
+    plain = tokenized(TaskFiles(data["code"], None), "code", "calibration",
+                      CalibrationSection(num_samples=8, max_length=64), tiny_tokenizer)
+    assert none.input_ids.tolist() == plain.input_ids.tolist()
+
+
+def write_config(tiny_family, folder: Path, heldout: bool = True) -> Path:
+    data = write_task_files(folder)
+    config = {
+        "name": "live",
+        "sources": {"base": str(tiny_family.base), "experts": [
+            {"task": t, "path": str(tiny_family.experts[t]),
+             "data": {"calibration": str(data[t]), **({"heldout": str(data[t])} if heldout else {})}}
+            for t in TASKS]},
+        "output_dir": str(folder / "runs"),
+    }
+    path = folder / "live.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_recalibration_config_points_each_task_at_its_captured_prompts(tiny_family, tmp_path: Path) -> None:
+    config = load_config(write_config(tiny_family, tmp_path))
+    capture = TrafficCapture(CaptureSection(enabled=True, dir=tmp_path / "traffic"))
+    for i in range(3):
+        capture.record(prompt(f"def f{i}(x):", "code", float(i)))
+    capture.close()
+    recalibration, summary = traffic_config(config, tmp_path / "traffic", stamp="20261201-120000")
+    assert recalibration.name == "live-traffic-20261201-120000"
+    assert recalibration.merged_dir == config.merged_dir  # the served model's merge, reused
+    assert recalibration.tracking.registered_model == "darts-dist-live"  # the same registered model
+    code, math = recalibration.sources.experts
+    assert math.data.traffic is None
+    rows = [json.loads(line) for line in Path(code.data.traffic).read_text().splitlines()]
+    assert rows == [{"prompt": f"def f{i}(x):", "chat": False} for i in range(3)]
+    assert Path(code.data.traffic).parent == recalibration.run_dir / "traffic"
+    assert summary["captured"] == {"code": 3} and summary["used"] == {"code": 3}
+    # The run's config, as logged, reads back with its traffic file.
+    assert parse_config(recalibration.model_dump(mode="json")).sources.experts[0].data.traffic == code.data.traffic
+
+
+def test_recalibrate_refuses_what_it_cannot_use(tiny_family, tmp_path: Path, capsys) -> None:
+    path = write_config(tiny_family, tmp_path)
+    assert main(["recalibrate", str(path), "--from-traffic", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["recalibrate", str(path), "--from-traffic", str(tmp_path / "empty")]) == 2
+    assert "no captured traffic" in capsys.readouterr().err
+    capture = TrafficCapture(CaptureSection(enabled=True, dir=tmp_path / "unrouted"))
+    capture.record(prompt("hello", None, 1.0))
+    capture.close()
+    assert main(["recalibrate", str(path), "--from-traffic", str(tmp_path / "unrouted")]) == 2
+    assert "no captured prompt of the tasks" in capsys.readouterr().err
+    (tmp_path / "b").mkdir()
+    no_heldout = write_config(tiny_family, tmp_path / "b", heldout=False)
+    assert main(["recalibrate", str(no_heldout), "--from-traffic", str(tmp_path / "unrouted")]) == 2
+    assert "no held-out data" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "b" / "runs").exists()  # nothing half-made
