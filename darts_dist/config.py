@@ -208,18 +208,12 @@ class CaptureSection(_Section):
     """
 
     enabled: bool = False
-    # Where the segments go; relative to the folder the server starts in. On a cluster, storage every
-    # replica's node shares (NFS), or each node keeps its own replicas' prompts.
+    # Where the segments go; relative to the folder the server starts in (serve.model.serve_settings). On a
+    # cluster, storage every replica's node shares (NFS), or each node keeps its own replicas' prompts.
     dir: Path = Path("traffic")
     max_bytes: PositiveInt = 256 * 1024 * 1024
     segment_bytes: PositiveInt = 4 * 1024 * 1024
     flush_s: float = Field(default=10.0, gt=0.0)
-
-    @field_validator("dir")
-    @classmethod
-    def _absolute(cls, folder: Path) -> Path:
-        # Absolute where the config is read (the driver), so replicas in other working folders write there too.
-        return folder.expanduser().absolute()
 
     @model_validator(mode="after")
     def _segment_fits(self) -> CaptureSection:

@@ -15,7 +15,7 @@ from darts_dist.calibrate.ray.placement import custom_resources, job_bundles
 from darts_dist.config import load_config, parse_config
 
 REPO = Path(__file__).absolute().parent.parent
-JOB_COMMANDS = ("merge", "calibrate", "evaluate", "register", "serve-deploy")
+JOB_COMMANDS = ("merge", "calibrate", "recalibrate", "evaluate", "register", "serve-deploy")
 
 
 def load_all(path: Path) -> list[dict]:

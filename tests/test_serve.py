@@ -121,7 +121,7 @@ def server(tiny_family, tmp_path_factory: pytest.TempPathFactory):
         lm = CorrectedLM.load(registry.merged_dir, registry.corrections, router_path=registry.router)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
         yield SimpleNamespace(base=base, port=port, process=process, log=log_path, client=client, lm=lm,
-                              registry=registry)
+                              registry=registry, folder=folder)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -142,8 +142,9 @@ def post(server, path: str, body: bytes | dict, key: str | None = KEY) -> tuple[
 
 
 def test_models_lists_each_task_the_routed_and_the_merged_model(server) -> None:
-    ids = [model.id for model in server.client.models.list()]
-    assert ids == [f"{MODEL}:code", f"{MODEL}:math", MODEL, f"{MODEL}:merged"]
+    models = server.client.models.list()
+    assert [model.id for model in models] == [f"{MODEL}:code", f"{MODEL}:math", MODEL, f"{MODEL}:merged"]
+    assert {model.model_dump()["darts"]["model_version"] for model in models} == {"1"}  # the registered version
 
 
 @pytest.mark.parametrize("suffix, task", [(":code", "code"), (":math", "math"), (":merged", None), ("", ROUTED)])
@@ -158,6 +159,7 @@ def test_greedy_completions_equal_darts_dists_own_generation(server, suffix: str
     applied = [c.model_dump()["darts"]["task"] for c in reply.choices]
     # The router sends the code prompt to code and the word problem to math.
     assert applied == (["code", "math"] if task == ROUTED else [task, task])
+    assert {c.model_dump()["darts"]["model_version"] for c in reply.choices} == {"1"}
 
 
 def test_chat_applies_the_chat_template(server) -> None:
@@ -184,6 +186,9 @@ def test_streams_add_up_to_the_unstreamed_reply(server) -> None:
         assert len([p for p in pieces if p]) > 1  # it really streamed
         assert "".join(pieces) == whole.choices[0].text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+        # A choice's last chunk carries its darts object, as the unstreamed choice does.
+        assert [c.choices[0].model_dump()["darts"] for c in chunks if c.choices and c.choices[0].finish_reason] == [
+            whole.choices[0].model_dump()["darts"]]
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert whole.choices[0].text == text[: text.find(stop)]
 
@@ -304,8 +309,10 @@ def test_serve_settings_layer_the_run_config_a_yaml_and_flags(tmp_path: Path) ->
     run = parse_config({"sources": {"base": "b", "experts": [{"task": "code", "path": "e"}]},
                         "serve": {"port": 9000, "max_batch_size": 4}})
     assert (serve_settings(run).port, serve_settings(run).max_batch_size) == (9000, 4)
+    # The capture folder, relative to where the server starts, is made absolute there for the replicas.
     assert serve_settings(run, host="0.0.0.0", port=None).model_dump() == {
-        **run.serve.model_dump(), "host": "0.0.0.0"}
+        **run.serve.model_dump(), "host": "0.0.0.0",
+        "capture": {**run.serve.capture.model_dump(), "dir": Path("traffic").absolute()}}
     override = tmp_path / "other.yaml"
     override.write_text(yaml.safe_dump({"sources": {"base": "b", "experts": [{"task": "code", "path": "e"}]},
                                         "serve": {"routing": "soft"}}))
@@ -474,6 +481,13 @@ def test_a_bounded_mixed_load_gets_no_5xx_and_no_lost_responses(server) -> None:
     assert 0 < lines["serve_load_latency_p50"]["value"] <= lines["serve_load_latency_p99"]["value"]
     assert 0 < lines["serve_load_first_token_p50"]["value"] <= lines["serve_load_first_token_p99"]["value"]
     assert len(load.first_tokens) == load.streamed
+
+
+def test_with_capture_off_no_prompt_is_written(server) -> None:
+    """The module's server captures nothing (serve.capture is opt-in), though it has answered every test's requests."""
+    assert health(server)["capture"] is False
+    assert not (server.folder / "traffic").exists()  # where capture.dir would put them, relative to its folder
+    assert not list(server.folder.rglob("capture-*.jsonl"))
 
 
 def test_ctrl_c_stops_the_server_cleanly(server) -> None:

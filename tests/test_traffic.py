@@ -14,6 +14,7 @@ from darts_dist.config import CalibrationSection, CaptureSection, load_config, p
 from darts_dist.errors import DartsError
 from darts_dist.recalibrate import traffic_config
 from darts_dist.serve.capture import CapturedPrompt, TrafficCapture, read_traffic, segments
+from darts_dist.serve.model import serve_settings
 from darts_dist.sources.data import TaskFiles, tokenized
 
 TASKS = ("code", "math")
@@ -74,7 +75,8 @@ def test_a_segment_that_cannot_be_written_is_dropped_without_failing_the_server(
 
 def test_capture_settings_are_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert CaptureSection(dir=Path("traffic")).dir == tmp_path / "traffic"  # absolute where the config is read
+    # Relative to the folder the server starts in, made absolute there for replicas elsewhere.
+    assert serve_settings(None).capture.dir == tmp_path / "traffic"
     assert not CaptureSection().enabled  # opt-in
     with pytest.raises(ValueError, match="segment_bytes"):
         CaptureSection(segment_bytes=2048, max_bytes=1024)

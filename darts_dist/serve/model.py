@@ -102,8 +102,12 @@ def resolve_model(
 
 
 def serve_settings(config: RunConfig | None, override: Path | None = None, **values: Any) -> ServeSection:
-    """The serve section: defaults < the model's run config < a --config YAML < explicit values (None: unset)."""
+    """The serve section: defaults < the model's run config < a --config YAML < explicit values (None: unset).
+
+    The capture folder becomes absolute here, on the driver: replicas run in other working folders.
+    """
     settings = config.serve if config is not None else ServeSection()
     if override is not None:
         settings = load_config(override).serve
-    return updated(settings, **{key: value for key, value in values.items() if value is not None})
+    settings = updated(settings, **{key: value for key, value in values.items() if value is not None})
+    return updated(settings, capture=updated(settings.capture, dir=settings.capture.dir.expanduser().absolute()))

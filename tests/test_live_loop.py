@@ -1,0 +1,210 @@
+"""The live loop for real (issue 17): a tracking server, `darts-dist serve` following the alias with capture on, a
+client that never stops sending, and recalibrations from the captured traffic that move (or keep) the alias."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow_server import free_port, mlflow_server
+
+from darts_dist.cli import main
+from darts_dist.serve.capture import read_traffic
+from mlflow import MlflowClient
+
+MODEL = "live-model"
+TASKS = ("code", "math")
+POLL_S = 1.0
+PROMPTS = {"code": [f"def f_{i}(x):\n    return" for i in range(4)],
+           "math": [f"Question: what is {i} + {i + 2}?\nAnswer:" for i in range(4)]}
+
+
+def write_config(tiny_family, folder: Path, name: str, learning_rate: float, steps: int) -> Path:
+    """Two tasks of the tiny family, calibrated in-process; serving follows the alias every POLL_S and captures."""
+    data = folder / "data"
+    data.mkdir(exist_ok=True)
+    for task in TASKS:
+        rows = [{"text": f"def f_{task}_{i}(x):\n    return x * {i} + {i + 1}\n"} for i in range(10)]
+        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {
+        "name": "live",
+        "output_dir": str(folder / "runs"),
+        "sources": {"base": str(tiny_family.base), "experts": [
+            {"task": t, "path": str(tiny_family.experts[t]),
+             "data": {"calibration": f"data/{t}.jsonl", "heldout": f"data/{t}.jsonl"}} for t in TASKS]},
+        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
+        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "batch_size": 4,
+                        "steps": steps, "learning_rate": learning_rate},
+        "cluster": {"executor": "in-process"},
+        "evaluation": {"score_limit": 0},
+        "tracking": {"experiment": "live-loop", "registered_model": MODEL},
+        "serve": {"follow_alias": True, "alias_poll_s": POLL_S, "max_batch_size": 8,
+                  "capture": {"enabled": True, "dir": str(folder / "traffic"), "flush_s": 0.5}},
+    }
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@dataclass
+class Answer:
+    sent: float
+    model: str
+    status: int  # 0: no reply at all
+    version: str | None
+
+
+class Client(threading.Thread):
+    """Sends completions one after another, over every served id, until stopped; keeps every answer."""
+
+    def __init__(self, base: str) -> None:
+        super().__init__(daemon=True)
+        self.base = base
+        self.answers: list[Answer] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        ids = [f"{MODEL}:{t}" for t in TASKS] + [MODEL]  # the last one routed
+        count = 0
+        while not self.halt.is_set():
+            model = ids[count % len(ids)]
+            text = PROMPTS[TASKS[count % 2]][count % 4]
+            body = json.dumps({"model": model, "prompt": text, "max_tokens": 4, "temperature": 0}).encode()
+            request = urllib.request.Request(f"{self.base}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"}, method="POST")
+            sent = time.monotonic()
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    reply = json.loads(response.read())
+                    self.answers.append(Answer(sent, model, response.status, reply["choices"][0]["darts"]["model_version"]))
+            except urllib.error.HTTPError as error:
+                self.answers.append(Answer(sent, model, error.code, None))
+            except OSError:
+                self.answers.append(Answer(sent, model, 0, None))
+            count += 1
+
+    def first_answer_from(self, version: str, after: float) -> float | None:
+        return next((a.sent for a in list(self.answers) if a.sent >= after and a.version == version), None)
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def wait_for(condition, timeout_s: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout_s:.0f} s:\n" + log.read_text()[-4000:]
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def tracking_server(tmp_path_factory: pytest.TempPathFactory):
+    port = free_port()
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-live"), port):
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
+    tracking_server: str, tiny_family, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)
+    # The tiny family's random experts have a higher held-out NLL than their merge, so corrections trained toward
+    # them raise it: a trained calibration is version 1, a barely trained recalibration is better (it takes the
+    # alias), and a trained one again is worse (it does not).
+    trained = write_config(tiny_family, tmp_path, "trained", learning_rate=0.05, steps=30)
+    barely = write_config(tiny_family, tmp_path, "barely", learning_rate=1e-9, steps=1)
+    assert main(["calibrate", str(trained)]) == 0
+    registry = MlflowClient(tracking_server, tracking_server)
+    assert registry.get_model_version_by_alias(MODEL, "champion").version == "1"
+
+    port, log_path = free_port(), tmp_path / "serve.log"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)  # a cluster of its own, as a user's server has
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "darts_dist.cli", "serve", f"models:/{MODEL}@champion", "--port", str(port)],
+            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    client = Client(base)
+    try:
+        def up() -> bool:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                return get(f"{base}/healthz")["status"] == "ok"
+            except OSError:
+                return False
+
+        wait_for(up, 240, "the server did not come up", log_path)
+        health = get(f"{base}/healthz")
+        assert health["model_version"] == "1" and health["capture"]
+        assert {m["darts"]["model_version"] for m in get(f"{base}/v1/models")["data"]} == {"1"}
+        client.start()
+
+        traffic = tmp_path / "traffic"
+
+        def captured() -> bool:
+            try:
+                prompts = read_traffic(traffic, TASKS)
+            except Exception:  # noqa: BLE001 - nothing written yet
+                return False
+            return all(len(prompts.get(task, [])) >= 4 for task in TASKS)
+
+        wait_for(captured, 120, "the server did not capture 4 prompts per task", log_path)
+        kept = read_traffic(traffic, TASKS)
+        assert {p.prompt for p in kept["code"]} <= set(PROMPTS["code"]) | set(PROMPTS["math"])
+        assert all(p.model_version == "1" for task in TASKS for p in kept[task])
+        assert any(p.routed for task in TASKS for p in kept[task])  # the router's pick is the task recorded
+
+        assert main(["recalibrate", str(barely), "--from-traffic", str(traffic), "--traffic-share", "0.5"]) == 0
+        moved = time.monotonic()
+        assert registry.get_model_version_by_alias(MODEL, "champion").version == "2"
+        recalibration = registry.get_model_version(MODEL, "2")
+        logged = registry.get_run(recalibration.run_id)
+        assert "took 'champion'" in recalibration.tags["darts.alias_decision"]
+
+        wait_for(lambda: client.first_answer_from("2", moved) is not None, 2 * POLL_S + 120,
+                 "the server did not answer from version 2", log_path)
+        switch_s = client.first_answer_from("2", moved) - moved
+        health = get(f"{base}/healthz")
+        assert health["model_version"] == "2"
+        # The switch: at most two polls plus the new replica's start (its model load, and a margin for the actor's
+        # process start on a busy 2-core machine).
+        assert switch_s <= 2 * POLL_S + health["load_s"] + 60, switch_s
+        assert logged.data.params["calibration.traffic_share"] == "0.5"
+
+        # A worse recalibration registers version 3, which leaves the alias, and the server, on version 2.
+        assert main(["recalibrate", str(trained), "--from-traffic", str(traffic)]) == 0
+        kept_at = time.monotonic()
+        assert registry.get_model_version_by_alias(MODEL, "champion").version == "2"
+        time.sleep(3 * POLL_S)
+        client.halt.set()
+        client.join(timeout=120)
+        later = [a for a in client.answers if a.sent >= kept_at]
+        assert later and {a.version for a in later} == {"2"}
+    finally:
+        client.halt.set()
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    # Not one of the client's requests failed, through the switch and after it; versions only went forward.
+    failed = [a for a in client.answers if a.status != 200]
+    assert not failed, failed[:5]
+    versions = [a.version for a in client.answers]
+    assert versions == sorted(versions) and set(versions) == {"1", "2"}, versions
+    assert len(client.answers) >= 20
