@@ -11,6 +11,12 @@ the share of invalid requests answered 4xx (must be 1); p50/p99 latency, p50/p99
 text of the streamed ones, and throughput of the valid ones against the same kind of requests sent one at a
 time first; and /healthz afterwards.
 
+`--switch` runs the load across a version switch instead: the same model registered twice (two sets of
+corrections) in a throwaway registry, served as models:/demo@champion with serve.follow_alias, and the alias moved
+to version 2 while the load runs. Results: valid requests that failed (5xx or lost: must be 0), and the seconds from
+the alias move to the first request answered by version 2 (sent after the move, by a probe one at a time beside
+the load), against two poll intervals plus the rolling update the follower logged (deploy to new replica running).
+
 `run_load` is the core, with no model set-up: tests/test_serve.py runs it on the tiny model with small numbers.
 """
 
@@ -21,13 +27,16 @@ import http.client
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +45,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 INVALID_EVERY = 8  # one request in eight is invalid
+SWITCH_DEADLINE_S = 900  # --switch: the longest the load runs waiting for version 2
 HUGE = 1 << 40  # a declared body size no server limit allows
 
 
@@ -255,28 +265,159 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16, help="each valid request asks for max/2 to max tokens")
     p.add_argument("--alone", type=int, default=32, help="requests sent one at a time first: the baseline")
-    p.add_argument("--replica-cpus", type=float, default=os.cpu_count() or 1,
-                   help="serve.num_cpus: the replica's CPUs and torch threads (default: every core)")
+    p.add_argument("--replica-cpus", type=float, default=None,
+                   help="serve.num_cpus: the replica's CPUs and torch threads (default: every core; with --switch "
+                        "half of them, so that the new replica has room beside the old one)")
+    p.add_argument("--switch", action="store_true", help="run the load across a version switch (see above)")
+    p.add_argument("--poll", type=float, default=2.0, help="with --switch: serve.alias_poll_s")
+    p.add_argument("--switch-after", type=float, default=20.0, help="with --switch: seconds of load before the move")
     args = p.parse_args()
+    cores = os.cpu_count() or 1
+    args.replica_cpus = args.replica_cpus or (max(1, cores // 2) if args.switch else cores)
     config, sources, merged_dir = demo_setup("serve-load", args)
-    corrections = random_corrections(config, merged_dir)
     router = fit_demo_router(config, sources, merged_dir)
     prompts = [text for _, text in task_prompts(config, sources, merged_dir, per_task=16)]
-    with tempfile.TemporaryDirectory(prefix="serve-load-") as folder:
-        yaml_path = Path(folder) / "serve.yaml"
-        # The replica takes every core, as a serving machine would give it; room for the whole load in flight.
+    model = "tiny" if args.tiny else "SmolLM2-135M-Instruct demo merge"
+    with tempfile.TemporaryDirectory(prefix="serve-load-") as scratch:
+        folder = Path(scratch)
+        yaml_path = folder / "serve.yaml"
+        # Room for the whole load in flight; by default the replica takes every core, as a serving machine would
+        # give it.
         yaml_path.write_text(json.dumps({
             "sources": {"base": "unused", "experts": [{"task": t, "path": "unused"} for t in config.tasks]},
-            "serve": {"num_cpus": args.replica_cpus, "max_ongoing_requests": max(32, args.concurrency)}}))
-        note("starting darts-dist serve")
-        with serving(merged_dir, corrections, router, yaml_path, Path(folder)) as base:
-            alone = run_load(base, prompts, args.alone, 1, max_tokens=args.max_tokens, seed=1)
-            note(f"{args.requests} requests at concurrency {args.concurrency}")
-            load = run_load(base, prompts, args.requests, args.concurrency, max_tokens=args.max_tokens)
-    model = "tiny" if args.tiny else "SmolLM2-135M-Instruct demo merge"
-    for line in result_lines(load, alone):
+            "serve": {"num_cpus": args.replica_cpus, "max_ongoing_requests": max(32, args.concurrency),
+                      "follow_alias": args.switch, "alias_poll_s": args.poll}}))
+        if args.switch:
+            uri = register_versions(config, merged_dir, router, folder)
+            note("starting darts-dist serve on models:/demo@champion, following the alias")
+            with serving(["models:/demo@champion"], yaml_path, folder, {"MLFLOW_TRACKING_URI": uri}) as base:
+                while "following models:/" not in (folder / "serve.log").read_text():  # said once the follower runs
+                    time.sleep(0.5)
+                lines = switch_lines(base, prompts, args, uri, folder / "serve.log")
+        else:
+            corrections = random_corrections(config, merged_dir)
+            note("starting darts-dist serve")
+            command = [str(merged_dir), "--corrections", str(corrections), "--router", str(router), "--name", "demo"]
+            with serving(command, yaml_path, folder) as base:
+                alone = run_load(base, prompts, args.alone, 1, max_tokens=args.max_tokens, seed=1)
+                note(f"{args.requests} requests at concurrency {args.concurrency}")
+                load = run_load(base, prompts, args.requests, args.concurrency, max_tokens=args.max_tokens)
+            lines = result_lines(load, alone)
+    for line in lines:
         emit(line.pop("name"), line.pop("value"), line.pop("baseline"), line.pop("unit"), model=model,
              max_tokens=args.max_tokens, replica_cpus=args.replica_cpus, **line)
+
+
+def register_versions(config, merged_dir: Path, router: Path, folder: Path) -> str:
+    """A throwaway registry in `folder` with versions 1 and 2 of `demo` (the same merge, two sets of corrections),
+    the alias `champion` on version 1; returns its tracking URI."""
+    from common import note
+    from serve_overhead import random_corrections
+
+    from darts_dist.tracking.registry import log_pyfunc_model
+    from darts_dist.tracking.runs import connect, environment, experiment_id
+
+    uri = f"sqlite:///{folder}/mlflow.db"
+    client = connect(uri)
+    client.create_registered_model("demo")
+    for seed in (1, 2):
+        note(f"registering version {seed}")
+        run_id = client.create_run(experiment_id(client, uri, "serve-switch")).info.run_id
+        logged = log_pyfunc_model(uri, run_id, merged_dir, random_corrections(config, merged_dir, seed),
+                                  config.tasks[0], router)
+        with environment(MLFLOW_TRACKING_URI=uri):  # the sqlite registry finds the logged model through it
+            client.create_model_version("demo", source=logged, run_id=run_id, model_id=logged.removeprefix("models:/"))
+    client.set_registered_model_alias("demo", "champion", "1")
+    return uri
+
+
+class VersionProbe(threading.Thread):
+    """One small request at a time beside the load: when it was sent, and which version answered it."""
+
+    def __init__(self, base: str, model: str) -> None:
+        super().__init__(daemon=True)
+        self.base, self.model = base, model
+        self.answers: list[tuple[float, str | None]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        body = json.dumps({"model": self.model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
+        while not self.halt.is_set():
+            sent = time.monotonic()
+            request = urllib.request.Request(f"{self.base}/v1/completions", data=body, method="POST",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    self.answers.append((sent, json.loads(response.read())["choices"][0]["darts"]["model_version"]))
+            except (OSError, ValueError, KeyError):
+                self.answers.append((sent, None))
+            time.sleep(0.2)
+
+
+def switch_lines(base: str, prompts: list[str], args, uri: str, log: Path) -> list[dict]:
+    """The load across a move of the alias from version 1 to 2; the switch's seconds against its allowance."""
+    from common import note
+
+    from darts_dist.tracking.runs import connect
+
+    probe = VersionProbe(base, min(model_ids(base, None), key=len))
+    probe.start()
+    moved: list[float] = []
+
+    def move_alias() -> None:
+        connect(uri).set_registered_model_alias("demo", "champion", "2")
+        moved.append(time.monotonic())
+        note("moved the alias to version 2")
+
+    timer = threading.Timer(args.switch_after, move_alias)
+    timer.start()
+
+    def first_from_2() -> float | None:
+        return next((sent for sent, version in list(probe.answers) if moved and sent >= moved[0] and version == "2"),
+                    None)
+
+    # Rounds of REQUESTS until one has run wholly after version 2 answered: the load spans the whole switch.
+    outcomes: dict[str, Counter] = {"valid": Counter(), "invalid": Counter()}
+    rounds, started, after = 0, time.monotonic(), 0
+    while after < 1:
+        after += first_from_2() is not None
+        note(f"round {rounds + 1}: {args.requests} requests at concurrency {args.concurrency}"
+             + ("" if moved else f"; the alias moves {args.switch_after:g} s after the start"))
+        load = run_load(base, prompts, args.requests, args.concurrency, max_tokens=args.max_tokens)
+        for kind, counts in load.outcomes.items():
+            outcomes[kind].update(counts)
+        rounds += 1
+        if time.monotonic() - started > SWITCH_DEADLINE_S:
+            break
+    timer.join()
+    probe.halt.set()
+    probe.join()
+    first = first_from_2()
+    if first is not None:
+        note(f"first request answered by version 2 sent {first - moved[0]:.1f} s after the move")
+    deadline = time.monotonic() + SWITCH_DEADLINE_S
+    while "rolling update done" not in log.read_text() and time.monotonic() < deadline:  # old replicas draining
+        time.sleep(0.5)
+    for line in log.read_text().splitlines():  # the switch as the server saw it, next to this side's notes
+        if "serve.follow" in line or "controller" in line:
+            note(f"server: {line.strip()[:200]}")
+    rolled = re.findall(r"rolling update done in ([0-9.]+) s", log.read_text())
+    if first is None or not rolled:
+        raise RuntimeError(f"version 2 did not answer within {SWITCH_DEADLINE_S} s:\n{log.read_text()[-4000:]}")
+    update_s = float(rolled[-1])
+    invalid = sum(outcomes["invalid"].values())
+    details = {"requests": rounds * args.requests, "rounds": rounds, "concurrency": args.concurrency,
+               "poll_s": args.poll, "rolling_update_s": update_s, "load_s": round(time.monotonic() - started, 1),
+               "outcomes": {kind: dict(counts) for kind, counts in outcomes.items()},
+               "probe_failed": sum(version is None for _, version in probe.answers)}
+    return [
+        {"name": "serve_switch_failed_requests", "value": outcomes["valid"]["5xx"] + outcomes["valid"]["lost"]
+         + outcomes["invalid"]["lost"], "baseline": 0, "unit": "requests", **details},
+        {"name": "serve_switch_invalid_answered_4xx", "value": outcomes["invalid"]["4xx"] / max(1, invalid),
+         "baseline": 1.0, "unit": "share", **details},
+        {"name": "serve_switch_seconds", "value": first - moved[0], "baseline": 2 * args.poll + update_s,
+         "unit": "s", **details},
+    ]
 
 
 def fit_demo_router(config, sources, merged_dir):
@@ -301,17 +442,17 @@ def fit_demo_router(config, sources, merged_dir):
 
 
 @contextlib.contextmanager
-def serving(merged_dir: Path, corrections: Path, router: Path, yaml_path: Path, folder: Path) -> Iterator[str]:
-    """`darts-dist serve` in its own process (and session) on a free loopback port, until the block ends;
+def serving(model: list[str], yaml_path: Path, folder: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`darts-dist serve MODEL...` in its own process (and session) on a free loopback port, until the block ends;
     yields the server's base URL once /healthz answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     log_path = folder / "serve.log"
-    command = [sys.executable, "-m", "darts_dist.cli", "serve", str(merged_dir), "--corrections", str(corrections),
-               "--router", str(router), "--name", "demo", "--port", str(port), "--config", str(yaml_path)]
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # a cluster of its own
+    command = [sys.executable, "-m", "darts_dist.cli", "serve", *model, "--port", str(port), "--config", str(yaml_path)]
+    # A cluster of its own.
+    env = {**{key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}, **(env or {})}
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:

@@ -49,14 +49,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def random_corrections(config, merged_dir: Path) -> Path:
+def random_corrections(config, merged_dir: Path, seed: int = 0) -> Path:
     """Corrections of the demo's shape with small nonzero values, so every correction term really computes."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     corrections = build_corrections(config.tasks, read_model_info(merged_dir).hidden_size, config.calibration)
     with torch.no_grad():
         for p in corrections.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    return save_corrections(cache_root() / "benchmarks" / "serve" / "corrections.safetensors", corrections,
+    return save_corrections(cache_root() / "benchmarks" / "serve" / f"corrections-{seed}.safetensors", corrections,
                             metadata=corrections_metadata(merged_dir))
 
 

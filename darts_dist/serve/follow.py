@@ -96,11 +96,13 @@ def stop_follower() -> None:
 
 
 def start_follower(source: ModelSource, deploy: Deploy, poll_s: float, detached: bool) -> ray.actor.ActorHandle:
-    """The follower as a named Ray actor (one per cluster: `start` stops an earlier deploy's first),
-    already following; `detached` outlives the driver that starts it (`serve-deploy`)."""
+    """The follower as a named Ray actor (one per cluster: `start` stops an earlier deploy's first), returned once
+    it is following; `detached` outlives the driver that starts it (`serve-deploy`)."""
     actor = ray.remote(AliasFollower).options(
         name=FOLLOWER_NAME, namespace=FOLLOWER_NAMESPACE, lifetime="detached" if detached else None, num_cpus=0,
         max_concurrency=2,  # follow() runs for good; stop() must still get through
     ).remote(source, deploy, poll_s)
+    # Its process has started and built it: an alias moved after the server says it follows is not missed.
+    ray.get(actor.__ray_ready__.remote())
     actor.follow.remote()
     return actor
