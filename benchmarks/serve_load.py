@@ -291,7 +291,10 @@ def main() -> None:
             uri = register_versions(config, merged_dir, router, folder)
             note("starting darts-dist serve on models:/demo@champion, following the alias")
             with serving(["models:/demo@champion"], yaml_path, folder, {"MLFLOW_TRACKING_URI": uri}) as base:
+                deadline = time.monotonic() + 300
                 while "following models:/" not in (folder / "serve.log").read_text():  # said once the follower runs
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the follower did not start:\n{(folder / 'serve.log').read_text()[-4000:]}")
                     time.sleep(0.5)
                 lines = switch_lines(base, prompts, args, uri, folder / "serve.log")
         else:
@@ -464,11 +467,14 @@ def serving(model: list[str], yaml_path: Path, folder: Path, env: dict[str, str]
             yield base
         finally:
             process.send_signal(signal.SIGINT)  # a clean stop: Serve, and the Ray cluster it started
+            stopping = time.monotonic()
             try:
                 process.wait(timeout=120)
+                print(f"the server stopped {time.monotonic() - stopping:.1f} s after SIGINT", file=sys.stderr)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+                print(f"the server did not stop in 120 s of SIGINT:\n{log_path.read_text()[-3000:]}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -283,7 +283,7 @@ def cmd_serve_deploy(args: argparse.Namespace) -> None:
     ray.init(address=address)
     url = start(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None, detached=True)
     console.print(f"deployed {source.name} at {url}; it keeps serving on the cluster after this command "
-                  "(`serve shutdown` removes it)")
+                  "(`serve shutdown` removes it, and its alias follower with it)")
     if settings.follow_alias:
         console.print(f"following {source.alias} every {settings.alias_poll_s:g} s (a detached actor, "
                       "darts-dist-alias-follower, in namespace darts-dist)")

@@ -264,6 +264,8 @@ class ServeSection(_Section):
     # ready before an old one stops (no request waits, but it needs room for them); with 0 old replicas stop
     # first and requests queue while their replacements load.
     max_surge_percent: int = Field(default=100, ge=0, le=100)
+    # How long an old replica (a rolling update, a shutdown) may take to finish its requests before it stops.
+    drain_timeout_s: float = Field(default=60.0, gt=0.0)
     capture: CaptureSection = CaptureSection()
 
     @model_validator(mode="before")

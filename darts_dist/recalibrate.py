@@ -18,6 +18,7 @@ from darts_dist.config import RunConfig, updated
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_file
 from darts_dist.serve.capture import read_traffic
+from darts_dist.sources.data import traffic_count
 from darts_dist.tracking.registry import registered_model_name
 
 TRAFFIC_FOLDER = "traffic"  # in the recalibration's run folder: one JSONL of captured prompts per task
@@ -59,7 +60,6 @@ def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = Non
         "from": str(Path(traffic_dir).absolute()),
         "share": share,
         "captured": {task: len(prompts) for task, prompts in captured.items()},
-        "used": {task: min(len(prompts), round(share * config.calibration.num_samples))
-                 for task, prompts in captured.items()},
+        "used": {task: traffic_count(config.calibration, len(prompts)) for task, prompts in captured.items()},
     }
     return recalibration, summary

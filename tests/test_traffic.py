@@ -11,7 +11,6 @@ import yaml
 
 from darts_dist.cli import main
 from darts_dist.config import CalibrationSection, CaptureSection, load_config, parse_config
-from darts_dist.errors import DartsError
 from darts_dist.recalibrate import traffic_config
 from darts_dist.serve.capture import CapturedPrompt, TrafficCapture, read_traffic, segments
 from darts_dist.serve.model import serve_settings

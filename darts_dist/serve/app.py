@@ -42,8 +42,9 @@ from ray import serve
 from ray.serve import metrics
 from ray.serve.config import AutoscalingConfig
 from ray.serve.deployment import Application
+from ray.serve.exceptions import RayServeException
 
-from darts_dist.config import ServeSection
+from darts_dist.config import ServeSection, updated
 from darts_dist.core import ROUTED
 from darts_dist.errors import DartsError
 from darts_dist.generation import (Completion, ContinuousBatcher, CorrectedLM, Engine, EngineThread, Event, Finished,
@@ -71,7 +72,6 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "DARTS_DIST_API_KEY"
 APP_NAME = "darts-dist"
 METRICS_INTERVAL_S = 1.0
-GRACEFUL_SHUTDOWN_UNBOUNDED_S = 3600.0  # an old replica's wait for its requests when they have no time limit
 
 
 # --- the deployment ------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def build_app(source: ModelSource, settings: ServeSection, api_key: str | None =
         # A rolling update (a new version, `serve.follow_alias`) starts new replicas before it stops old ones,
         # and lets an old one finish its requests, streams too, as long as the proxy would let them run.
         "max_surge_percent": settings.max_surge_percent,
-        "graceful_shutdown_timeout_s": settings.request_timeout_s or GRACEFUL_SHUTDOWN_UNBOUNDED_S,
+        "graceful_shutdown_timeout_s": settings.drain_timeout_s,
     }
     if settings.autoscaling_config is not None:
         try:
@@ -374,7 +374,18 @@ def app_builder(args: dict[str, Any]) -> Application:
     source, config = resolve_model(args.pop("model"), tracking=args.pop("tracking_uri", None),
                                    name=args.pop("name", None))
     api_key = args.pop("api_key", None) or os.environ.get(API_KEY_ENV)
-    return build_app(source, serve_settings(config, **args), api_key)
+    settings = serve_settings(config, **args)
+    check_capture_folder(settings)
+    stop_follower()  # a follower left by `serve-deploy` must not move this app; this one pins its version
+    return build_app(source, settings, api_key)
+
+
+def app_exists() -> bool:
+    """Whether this app is still deployed (Serve itself may be gone: `serve shutdown`)."""
+    try:
+        return APP_NAME in serve.status().applications
+    except RayServeException:  # no Serve instance on the cluster any more
+        return False
 
 
 def deploy(source: ModelSource, settings: ServeSection, api_key: str | None) -> None:
@@ -403,8 +414,10 @@ def start(source: ModelSource, settings: ServeSection, api_key: str | None = Non
     Returns once every replica has loaded the model.
     """
     if settings.follow_alias and source.alias is None:
-        raise DartsError(f"serve.follow_alias follows a models:/NAME@ALIAS, but this server serves "
-                         f"{source.registered or 'local files'}", "serve models:/NAME@ALIAS, or set follow_alias: false")
+        # A registered config may ask to follow; serving one pinned version or a run folder is still meant.
+        logger.warning("serve.follow_alias is set, but %s is no models:/NAME@ALIAS: serving it without following",
+                       source.registered or "a local model")
+        settings = updated(settings, follow_alias=False)
     check_capture_folder(settings)
     # request_timeout_s: the proxy answers 408 to a request still unanswered then (its own end-to-end bound).
     serve.start(http_options={"host": settings.host, "port": settings.port,
@@ -412,8 +425,8 @@ def start(source: ModelSource, settings: ServeSection, api_key: str | None = Non
     stop_follower()  # one left by an earlier deploy must not move this app
     deploy(source, settings, api_key)
     if settings.follow_alias:
-        start_follower(source, functools.partial(deploy, settings=settings, api_key=api_key), settings.alias_poll_s,
-                       detached)
+        start_follower(source, functools.partial(deploy, settings=settings, api_key=api_key), app_exists,
+                       settings.alias_poll_s, detached)
     return f"http://{settings.host}:{settings.port}/v1"
 
 

@@ -55,7 +55,7 @@ class TrafficCapture:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.writer = uuid.uuid4().hex[:8]
         self.written = 0  # segments written by this writer
-        self.dropped = 0  # records lost to failed writes
+        self.dropped = 0  # records lost: failed writes, or a buffer full while writes lag
         self._lines: list[str] = []
         self._size = 0
         self._lock = threading.Lock()
@@ -65,10 +65,14 @@ class TrafficCapture:
         self._thread.start()
 
     def record(self, prompt: CapturedPrompt) -> None:
-        line = json.dumps(asdict(prompt), ensure_ascii=False) + "\n"
+        """Buffer one prompt; beyond two segments' worth (the writer lagging: a slow or hung disk) it is dropped."""
+        line = json.dumps(asdict(prompt)) + "\n"  # ASCII: any string, lone surrogates too, writes as UTF-8
         with self._lock:
+            if self._size + len(line) > 2 * self.settings.segment_bytes:
+                self.dropped += 1
+                return
             self._lines.append(line)
-            self._size += len(line.encode())
+            self._size += len(line)
             if self._size >= self.settings.segment_bytes:
                 self._full.set()
 
@@ -82,17 +86,23 @@ class TrafficCapture:
         name = f"capture-{time.time_ns() // 1_000_000:013d}-{self.writer}-{self.written:06d}.jsonl"
         tmp = self.folder / f".{name}.tmp"
         try:
-            tmp.write_text("".join(lines), encoding="utf-8")
+            tmp.write_text("".join(lines), encoding="ascii")
             os.replace(tmp, self.folder / name)
-            self.written += 1
-            self._trim()
         except OSError as error:
             with contextlib.suppress(OSError):  # the folder itself may be what is gone
                 tmp.unlink(missing_ok=True)
             self.dropped += len(lines)
             logger.error("traffic capture: %d prompts not written to %s: %s", len(lines), self.folder, error)
+            return
+        self.written += 1
+        try:
+            self._trim(keep=self.folder / name)
+        except OSError as error:
+            logger.error("traffic capture: could not trim %s to %d bytes: %s", self.folder, self.settings.max_bytes,
+                         error)
 
-    def _trim(self) -> None:
+    def _trim(self, keep: Path) -> None:
+        """Delete the oldest segments until the folder holds at most max_bytes; never `keep`, the one just written."""
         found = []
         for path in segments(self.folder):
             try:
@@ -103,13 +113,17 @@ class TrafficCapture:
         for path, size in found:
             if total <= self.settings.max_bytes:
                 break
-            path.unlink(missing_ok=True)
-            total -= size
+            if path != keep:
+                path.unlink(missing_ok=True)
+                total -= size
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self._full.wait(self.settings.flush_s)
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - the writer must outlive any one segment
+                logger.exception("traffic capture: a segment failed")
 
     def close(self) -> None:
         """Write what is left and stop the thread."""
@@ -132,7 +146,11 @@ def read_traffic(folder: Path, tasks: tuple[str, ...]) -> dict[str, list[Capture
                          "serve with serve.capture.enabled: true and send requests first")
     prompts: dict[str, list[CapturedPrompt]] = defaultdict(list)
     for path in found:
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:  # a capturing server trimmed it meanwhile
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
             try:
                 prompt = CapturedPrompt(**json.loads(line))
             except (ValueError, TypeError) as error:

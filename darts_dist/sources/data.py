@@ -81,8 +81,11 @@ def tokenized(
     """
     traffic: list[list[int]] = []
     if split == "calibration" and files.traffic is not None:
-        captured = traffic_prompts(files.traffic, tokenizer)
-        traffic = captured[len(captured) - min(len(captured), round(settings.traffic_share * settings.num_samples)):]
+        captured = traffic_rows(files.traffic)
+        used = captured[len(captured) - traffic_count(settings, len(captured)):]
+        # A chat prompt was rendered with the chat template and holds its special tokens: tokenised as served.
+        traffic = [tokenizer(row["prompt"], add_special_tokens=not row["chat"], verbose=False)["input_ids"]
+                   for row in used]
         logger.info("calibrate: task %r takes %d of its %d samples from the %d prompts captured in %s", task,
                     len(traffic), settings.num_samples, len(captured), files.traffic)
     rows = split_rows(files, split, settings, limit=settings.num_samples - len(traffic))
@@ -90,22 +93,25 @@ def tokenized(
                          text_field=files.text_field, traffic=traffic)
 
 
-def traffic_prompts(path: Path, tokenizer) -> list[list[int]]:
-    """The token ids of a task's captured prompts: a JSONL of {"prompt": text, "chat": bool} rows, oldest first, as
-    `darts-dist recalibrate` writes them. A chat prompt was rendered with the chat template and holds its special
-    tokens, so it is tokenised as the server tokenised it."""
-    path = Path(path)
-    if not path.is_file():
-        raise DartsError(f"traffic file {path} does not exist", "run `darts-dist recalibrate --from-traffic` again")
-    prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+def traffic_count(settings: CalibrationSection, captured: int) -> int:
+    """How many of a task's `captured` prompts its calibration takes: traffic_share of num_samples, at most all."""
+    return min(captured, round(settings.traffic_share * settings.num_samples))
+
+
+def traffic_rows(path: Path) -> list[dict]:
+    """A task's captured prompts, oldest first: a JSONL of {"prompt": text, "chat": bool} rows, as
+    `darts-dist recalibrate` writes them (resolve_sources has checked the file exists)."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         try:
             row = json.loads(line)
-            prompts.append(tokenizer(row["prompt"], add_special_tokens=not row["chat"], verbose=False)["input_ids"])
+            if not isinstance(row["prompt"], str) or not isinstance(row["chat"], bool):
+                raise TypeError("prompt must be a string and chat a boolean")
         except (ValueError, TypeError, KeyError) as error:
             raise DartsError(f"traffic file {path}, line {number}, is not a {{prompt, chat}} row: {error!r}",
                              "write it with `darts-dist recalibrate --from-traffic`") from None
-    return prompts
+        rows.append(row)
+    return rows
 
 
 def load_rows(
