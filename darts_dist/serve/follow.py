@@ -97,6 +97,8 @@ class AliasFollower:
 def stop_follower(timeout_s: float = 30.0) -> None:
     """Stop the cluster's follower, if it has one (an app deleted or deployed anew must not be moved by it),
     and wait until its name is free."""
+    if not ray.is_initialized():  # no cluster joined: no follower of it to stop
+        return
     try:
         ray.kill(ray.get_actor(FOLLOWER_NAME, namespace=FOLLOWER_NAMESPACE))
     except ValueError:  # none
