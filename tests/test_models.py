@@ -121,6 +121,34 @@ def test_content_hash_follows_the_weights(tiny_family, tmp_path):
     assert content_hash(copy) != content_hash(tiny_family.base)
 
 
+def test_content_hashes_are_remembered_by_path_size_and_mtime(tiny_family, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_family.base, copy)
+    weights = copy / "model.safetensors"
+    fresh = content_hash(copy)
+    weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 0xFF]))
+    assert content_hash(copy) != fresh  # files written just now are hashed each time: a rewrite may keep the mtime
+    weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 0xFF]))
+    hour_ago = time.time_ns() - 3600 * 10**9
+    for file in copy.iterdir():
+        os.utime(file, ns=(hour_ago, hour_ago))
+    first = content_hash(copy)
+    assert first == fresh
+    stat = weights.stat()
+    # The same size and mtime with other bytes: the remembered hash comes back, so the files were not read again.
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert content_hash(copy) == first
+    # A new mtime: hashed afresh, and the bytes' hash again equals an uncached computation's.
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert content_hash(copy) != first
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert content_hash(copy) == first
+
+
 def test_load_causal_lm_is_frozen_and_runs(tiny_family, tiny_tokenizer):
     model = load_causal_lm(tiny_family.base)
     assert not model.training and not any(p.requires_grad for p in model.parameters())

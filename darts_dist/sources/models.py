@@ -7,6 +7,7 @@ milliseconds with a message naming it, not minutes later inside a merge.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from darts_dist.errors import DartsError
-from darts_dist.fsutil import atomic_dir, cache_root
+from darts_dist.fsutil import atomic_dir, atomic_file, cache_root
 
 LOG = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ SMOLLM2_GGUF_ENV = "DARTS_DIST_SMOLLM2_GGUF"
 # Files that define a model's identity; tokenizer and README edits do not change the weights.
 _IDENTITY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _IDENTITY_NAMES = ("config.json", "adapter_config.json", "model.safetensors.index.json")
+RECENT_WRITE_S = 2  # content_hash does not remember folders with a file written this recently
 
 
 @dataclass(frozen=True)
@@ -314,14 +316,35 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
 
 
 def content_hash(path: Path) -> str:
-    """A short sha256 over the folder's config and weight files (names and bytes), for caching and tracking."""
-    path = Path(path)
+    """A short sha256 over the folder's config and weight files (names and bytes), for caching and tracking.
+
+    Remembered in the cache folder under the files' (path, name, size, mtime): a folder hashed before and not
+    changed since is not read again (a 7B model's weights are tens of GB). A file rewritten in place gets a new
+    mtime, so a changed model is hashed afresh; as in git's "racy" check, a folder with a file written in the
+    last RECENT_WRITE_S is not remembered, since a second write within the file system's timestamp tick would
+    leave the mtime as it was.
+    """
+    path = Path(path).absolute()
     files = sorted(
         entry for entry in path.iterdir()
         if entry.is_file() and (entry.name in _IDENTITY_NAMES or entry.name.endswith(_IDENTITY_SUFFIXES))
     ) if path.is_dir() else []
     if not files:
         raise DartsError(f"{path} holds no config or weight files to hash", "point to a model or adapter folder")
+    stats = [(file.name, file.stat().st_size, file.stat().st_mtime_ns) for file in files]
+    key = hashlib.sha256(json.dumps([str(path), stats]).encode()).hexdigest()
+    remembered = cache_root() / "hashes" / f"{key}.txt"
+    if remembered.is_file():
+        return remembered.read_text().strip()
+    value = _hash_files(files)
+    if all(mtime < time.time_ns() - RECENT_WRITE_S * 1e9 for _, _, mtime in stats):
+        with contextlib.suppress(OSError):  # a cache that cannot be written only costs the next hash
+            with atomic_file(remembered) as tmp:
+                tmp.write_text(value)
+    return value
+
+
+def _hash_files(files: list[Path]) -> str:
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode() + b"\0")
