@@ -26,7 +26,7 @@ from darts_dist.config import (
 )
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import evaluation_tables
-from darts_dist.logs import show_progress_logs
+from darts_dist.logs import VERBOSE_ENV, init_ray, show_progress_logs
 from darts_dist.options import add_config_flags, apply_config_flags
 
 if TYPE_CHECKING:  # for annotations only: these modules import torch and MLflow, which take seconds
@@ -267,8 +267,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_deploy(args: argparse.Namespace) -> None:
-    import ray
-
     from darts_dist.serve.app import API_KEY_ENV, start
     from darts_dist.serve.model import resolve_model, serve_settings
 
@@ -280,7 +278,7 @@ def cmd_serve_deploy(args: argparse.Namespace) -> None:
     source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
                                    router=args.router, name=args.name)
     settings = serve_settings(config, args.config, host=args.host, port=args.port)
-    ray.init(address=address)
+    init_ray(address=address)
     url = start(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None, detached=True)
     console.print(f"deployed {source.name} at {url}; it keeps serving on the cluster after this command "
                   "(`serve shutdown` removes it, and its alias follower with it)")
@@ -331,6 +329,8 @@ def _registration_target(target: str) -> tuple[str, str, Path | None]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="darts-dist", description="Merge fine-tuned decoder LLMs with mergekit and repair the merge with DARTS.")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show Ray's own log lines too (they go to Ray's log files otherwise)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, help_text: str, func) -> argparse.ArgumentParser:
@@ -418,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"
     show_progress_logs()
     try:
         args.func(args)

@@ -49,6 +49,7 @@ from darts_dist.core import ROUTED
 from darts_dist.errors import DartsError
 from darts_dist.generation import (Completion, ContinuousBatcher, CorrectedLM, Engine, EngineThread, Event, Finished,
                                    Sampling, SequenceRequest)
+from darts_dist.logs import init_ray
 from darts_dist.serve.capture import CapturedPrompt, TrafficCapture
 from darts_dist.serve.follow import start_follower, stop_follower
 from darts_dist.serve.model import ModelSource, model_ids, resolve_model, serve_settings
@@ -454,7 +455,7 @@ def run_foreground(
 
     joined = ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
     if not ray.is_initialized():
-        ray.init(include_dashboard=False)
+        init_ray(include_dashboard=False)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         url = start(source, settings, api_key)

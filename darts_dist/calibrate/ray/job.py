@@ -51,6 +51,7 @@ from darts_dist.calibrate.ray.worker import (
 from darts_dist.config import CORRECTIONS_FILE, CalibrationSection, ClusterSection, RunConfig
 from darts_dist.core import DartsCorrections, TokenizedSet, load_corrections, mask_positions
 from darts_dist.errors import DartsError
+from darts_dist.logs import init_ray
 from darts_dist.sources.models import content_hash, load_tokenizer
 from darts_dist.sources.references import ResolvedSources
 
@@ -120,9 +121,9 @@ def ray_session(address: str | None, local: Mapping[str, object]) -> Iterator[No
         yield
         return
     if address:
-        ray.init(address=address)
+        init_ray(address=address)
     else:
-        ray.init(include_dashboard=False, **local)
+        init_ray(include_dashboard=False, **local)
     try:
         yield
     finally:
