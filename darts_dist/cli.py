@@ -267,7 +267,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_deploy(args: argparse.Namespace) -> None:
-    from darts_dist.serve.app import API_KEY_ENV, start
+    from darts_dist.serve.app import API_KEY_ENV, follows, start
     from darts_dist.serve.model import resolve_model, serve_settings
 
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -282,7 +282,7 @@ def cmd_serve_deploy(args: argparse.Namespace) -> None:
     url = start(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None, detached=True)
     console.print(f"deployed {source.name} at {url}; it keeps serving on the cluster after this command "
                   "(`serve shutdown` removes it, and its alias follower with it)")
-    if settings.follow_alias:
+    if follows(source, settings):
         console.print(f"following {source.alias} every {settings.alias_poll_s:g} s (a detached actor, "
                       "darts-dist-alias-follower, in namespace darts-dist)")
 

@@ -22,10 +22,10 @@ prompts it answers (`serve.capture`).
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import logging
 import os
-import functools
 import signal
 import tempfile
 import threading
@@ -44,7 +44,7 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.deployment import Application
 from ray.serve.exceptions import RayServeException
 
-from darts_dist.config import ServeSection, updated
+from darts_dist.config import ServeSection
 from darts_dist.core import ROUTED
 from darts_dist.errors import DartsError
 from darts_dist.generation import (Completion, ContinuousBatcher, CorrectedLM, Engine, EngineThread, Event, Finished,
@@ -350,7 +350,7 @@ def build_app(source: ModelSource, settings: ServeSection, api_key: str | None =
         "max_ongoing_requests": settings.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": settings.num_cpus, "num_gpus": 1 if settings.use_gpu else 0},
         # A rolling update (a new version, `serve.follow_alias`) starts new replicas before it stops old ones,
-        # and lets an old one finish its requests, streams too, as long as the proxy would let them run.
+        # and lets an old one finish its requests, streams too, for up to drain_timeout_s.
         "max_surge_percent": settings.max_surge_percent,
         "graceful_shutdown_timeout_s": settings.drain_timeout_s,
     }
@@ -379,6 +379,11 @@ def app_builder(args: dict[str, Any]) -> Application:
     check_capture_folder(settings)
     stop_follower()  # a follower left by `serve-deploy` must not move this app; this one pins its version
     return build_app(source, settings, api_key)
+
+
+def follows(source: ModelSource, settings: ServeSection) -> bool:
+    """Whether a server of `source` follows its alias: asked to, and serving models:/NAME@ALIAS."""
+    return settings.follow_alias and source.alias is not None
 
 
 def app_exists() -> bool:
@@ -414,18 +419,17 @@ def start(source: ModelSource, settings: ServeSection, api_key: str | None = Non
 
     Returns once every replica has loaded the model.
     """
-    if settings.follow_alias and source.alias is None:
+    if settings.follow_alias and not follows(source, settings):
         # A registered config may ask to follow; serving one pinned version or a run folder is still meant.
         logger.warning("serve.follow_alias is set, but %s is no models:/NAME@ALIAS: serving it without following",
                        source.registered or "a local model")
-        settings = updated(settings, follow_alias=False)
     check_capture_folder(settings)
     # request_timeout_s: the proxy answers 408 to a request still unanswered then (its own end-to-end bound).
     serve.start(http_options={"host": settings.host, "port": settings.port,
                               "request_timeout_s": settings.request_timeout_s})
     stop_follower()  # one left by an earlier deploy must not move this app
     deploy(source, settings, api_key)
-    if settings.follow_alias:
+    if follows(source, settings):
         start_follower(source, functools.partial(deploy, settings=settings, api_key=api_key), app_exists,
                        settings.alias_poll_s, detached)
     return f"http://{settings.host}:{settings.port}/v1"
@@ -461,7 +465,7 @@ def run_foreground(
         url = start(source, settings, api_key)
         say(f"serving {source.name} at {url} (GET /v1/models lists the model ids; Ctrl-C stops)")
         say(f"Prometheus metrics (darts_serve_* and Ray Serve's own) at {metrics_url()}")
-        if settings.follow_alias:
+        if follows(source, settings):
             say(f"following {source.alias} (version {source.version} now) every {settings.alias_poll_s:g} s")
         if settings.capture.enabled:
             say(f"capturing served prompts (no responses) in {settings.capture.dir}, at most "
