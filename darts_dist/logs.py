@@ -45,8 +45,9 @@ def own_lines(lines: list[str]) -> list[str]:
 def init_ray(**options: Any) -> None:
     """`ray.init(**options)` for a darts-dist command: unless verbose, Ray's own lines stay off the console.
 
-    This driver's Ray loggers log errors only (ray.init's `logging_level`), and of the lines Ray forwards from its workers and actors
-    only darts-dist's own (their progress) are printed; everything else is still in the workers' log files
+    This driver's Ray loggers log errors only (ray.init's `logging_level`), and of the lines Ray forwards from
+    its workers and actors only darts-dist's own (their progress) are printed; everything else is still in the
+    workers' log files
     (`/tmp/ray/session_latest/logs`). Ray has no public filter for forwarded lines: the handler that prints
     them is swapped for one that filters, on the dispatcher of the pinned Ray version.
     """

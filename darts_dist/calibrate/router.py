@@ -18,7 +18,7 @@ from darts_dist.config import RunConfig
 from darts_dist.core import ROUTER_FILE, LayerKey, TaskRouter
 from darts_dist.errors import DartsError
 from darts_dist.sources.data import TaskFiles, detect_format, prompts_of, split_rows
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, pad_id, resolve_device
+from darts_dist.sources.models import encode_prompt, load_causal_lm, load_tokenizer, model_dtype, pad_id, resolve_device
 
 
 def fit_router(
@@ -59,7 +59,7 @@ def task_prompts(
     fmt = detect_format(rows, files.text_field) if files.format == "auto" else files.format
     # A prompt rendered with the chat template holds its special tokens already (as CorrectedLM.chat does).
     rendered = fmt != "text" and tokenizer.chat_template is not None
-    encoded = [tokenizer(p, add_special_tokens=not rendered, verbose=False)["input_ids"][:config.calibration.max_length]
+    encoded = [encode_prompt(tokenizer, p, rendered)[:config.calibration.max_length]
                for p in prompts_of(rows, tokenizer, fmt, files.text_field)]
     return [ids for ids in encoded if ids]
 

@@ -23,7 +23,7 @@ from darts_dist.core import (ROUTED, DartsCorrections, TaskRouter, attach_correc
 from darts_dist.errors import DartsError
 from darts_dist.generation.engine import ContinuousBatcher, Event, Finished, Listener, Sampling, SequenceRequest
 from darts_dist.generation.text import Completion
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
+from darts_dist.sources.models import encode_prompt, load_causal_lm, load_tokenizer, pad_id
 
 # The task index of a routed sequence until the router has decided (−1 is no correction, 0..K−1 a task).
 _ROUTE = -2
@@ -129,7 +129,7 @@ class CorrectedLM:
     def encode(self, prompt: str, rendered: bool = False) -> list[int]:
         """A plain prompt's tokens, with the tokenizer's default special tokens, as calibration text had; a
         `rendered` chat prompt (`chat_prompt`) holds its special tokens already."""
-        return self.tokenizer(prompt, add_special_tokens=not rendered, verbose=False)["input_ids"]
+        return encode_prompt(self.tokenizer, prompt, rendered)
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """A conversation's tokens up to the assistant's turn."""

@@ -30,7 +30,7 @@ from datasets.exceptions import DatasetGenerationError
 from darts_dist.config import CalibrationSection
 from darts_dist.core import TokenizedSet
 from darts_dist.errors import DartsError
-from darts_dist.sources.models import pad_id
+from darts_dist.sources.models import encode_prompt, pad_id
 
 logger = logging.getLogger(__name__)
 Format = Literal["text", "chat", "prompt_response"]
@@ -83,9 +83,7 @@ def tokenized(
     if split == "calibration" and files.traffic is not None:
         captured = traffic_rows(files.traffic)
         used = captured[len(captured) - traffic_count(settings, len(captured)):]
-        # A chat prompt was rendered with the chat template and holds its special tokens: tokenised as served.
-        traffic = [tokenizer(row["prompt"], add_special_tokens=not row["chat"], verbose=False)["input_ids"]
-                   for row in used]
+        traffic = [encode_prompt(tokenizer, row["prompt"], rendered=row["chat"]) for row in used]  # as served
         logger.info("calibrate: task %r takes %d of its %d samples from the %d prompts captured in %s", task,
                     len(traffic), settings.num_samples, len(captured), files.traffic)
     rows = split_rows(files, split, settings, limit=settings.num_samples - len(traffic))

@@ -289,6 +289,12 @@ def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
 
 
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, rendered: bool = False) -> list[int]:
+    """A prompt's token ids as the server reads it: with the tokenizer's default special tokens, except for a
+    prompt `rendered` with the chat template, which holds its special tokens already."""
+    return tokenizer(prompt, add_special_tokens=not rendered, verbose=False)["input_ids"]
+
+
 def resolve_device(device: str) -> torch.device:
     """`auto` picks CUDA where present, else the CPU."""
     if device == "auto":
