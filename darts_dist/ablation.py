@@ -1,4 +1,5 @@
-"""The ablation: merged, Surgery, +entropy weight, +position bias and DARTS on the same data and budget.
+"""The ablation: merged, Surgery, +entropy weight, +position bias, DARTS, deep DARTS, learned merge
+coefficients and DARTS on the learned merge, on the same data and budget, over seeds.
 
 In mergekit's shape: a config (the run's RunConfig, the merge methods to compare, the tuning
 budget) becomes a plan (`plan_ablation`: every variant's calibration settings), which
@@ -11,13 +12,20 @@ Tuning (`trials` > 0) is a random search on a validation split carved from the c
 number of trials, paired so that trial i draws the same rank, steps and learning rate for both;
 DARTS also draws T and each task's β. Trial 0 is the config's own settings. It runs on the
 headline (first) merge method; the other merges reuse its winners.
+
+Seeds (`seeds` > 1): every trained variant trains once per seed (calibration.seed + i: its initial
+corrections and minibatch order; the learned coefficients' minibatch order), and each reported number
+is the mean over seeds with its standard deviation (`overall_sd`); `claims` says "A beats B" only where
+the mean paired difference exceeds two standard deviations of the differences.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import random
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,12 +34,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from darts_dist.calibrate.coefficients import fit_coefficients, fit_layers, initial_coefficients, learned_merge, read_task_vectors
 from darts_dist.calibrate.corrections import save_corrections_for
 from darts_dist.calibrate.features import TaskFeatures, collect_features, collect_merged, features_only
+from darts_dist.calibrate.layers import concrete_layers, with_concrete_layers
 from darts_dist.calibrate.loop import train_corrections
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import CalibrationSection, RunConfig, TaskCalibration, updated
-from darts_dist.core import TaskRouter, TokenizedSet
+from darts_dist.core import LayerKey, TaskRouter, TaskVectors, TokenizedSet
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
 from darts_dist.evaluate.plots import plot_ablation_bias
@@ -67,6 +77,11 @@ VARIANTS: dict[str, Callable[[CalibrationSection], CalibrationSection | None]] =
     "position": lambda settings: _with_position(_no_entropy(settings)),  # the position bias alone
     "darts": lambda settings: settings,
 }
+# Variants of the headline merge only, built at run time: deep DARTS needs the model's layers, the learned
+# merge coefficients replace the merge itself (they start from the run's task-arithmetic weights).
+DEEP, COEFFICIENTS, COEFFICIENTS_DARTS = "deep", "coefficients", "coefficients+darts"
+DEFAULT_DEEP_LAYERS = ("changed", "final")
+COMPARED = ("nll_gap_closed", "score_gap_closed")  # what `claims` compares
 DEFAULT_MERGE_METHODS = ("task_arithmetic", "ties")
 # What tuning maximises: the validation mean over tasks of one of the evaluation's results.
 SELECT_METRICS = ("nll_gap_closed", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction")
@@ -95,6 +110,9 @@ class AblationPlan:
     variants: dict[str, CalibrationSection | None]
     trials: int = 0
     select: str = "nll_gap_closed"
+    seeds: int = 1
+    deep_layers: tuple[object, ...] = DEFAULT_DEEP_LAYERS  # deep DARTS's surgery layers (layer sets allowed)
+    extended: bool = True  # deep DARTS and the learned coefficients too
 
 
 def plan_ablation(
@@ -103,6 +121,9 @@ def plan_ablation(
     trials: int = 0,
     validation_fraction: float | None = None,
     select: str = "nll_gap_closed",
+    seeds: int = 1,
+    deep_layers: Sequence[object] = DEFAULT_DEEP_LAYERS,
+    extended: bool = True,
 ) -> AblationPlan:
     """Check the request and derive every variant's settings from the config's calibration section.
 
@@ -119,6 +140,8 @@ def plan_ablation(
                          f"name each once, from {list(known_merge_methods())}")
     if trials < 0:
         raise DartsError(f"the number of tuning trials must be 0 (no tuning) or more, got {trials}")
+    if seeds < 1:
+        raise DartsError(f"the number of seeds must be 1 or more, got {seeds}")
     if select not in SELECT_METRICS:
         raise DartsError(f"unknown tuning metric {select!r}", f"use one of {list(SELECT_METRICS)}")
     settings = config.calibration
@@ -129,7 +152,8 @@ def plan_ablation(
         raise DartsError(f"validation fraction {fraction}: tuning needs one in (0, 1)", "e.g. --validation-fraction 0.2")
     config = updated(config, calibration=updated(settings, validation_fraction=fraction))
     settings = config.calibration
-    return AblationPlan(config, methods, {name: make(settings) for name, make in VARIANTS.items()}, trials, select)
+    return AblationPlan(config, methods, {name: make(settings) for name, make in VARIANTS.items()}, trials, select,
+                        seeds, tuple(deep_layers), extended)
 
 
 def sweep_settings(
@@ -179,12 +203,14 @@ class MergeSides:
     pairs: list[tuple[ExpertSide, MergedSide]]
 
 
-def task_side(index: int, ctx: Context, tune: bool, base_passes: list[bool] | None) -> TaskSide:
-    """Load task `index`'s expert, run it over every set once, and let it go."""
+def task_side(index: int, ctx: Context, tune: bool, base_passes: list[bool] | None,
+              layers: Sequence[LayerKey]) -> TaskSide:
+    """Load task `index`'s expert, run it over every set once (its hidden states at every layer some variant
+    reads), and let it go."""
     task, settings = ctx.config.tasks[index], ctx.config.calibration
     expert = load_causal_lm(ctx.sources.experts[task], dtype=ctx.dtype, device=ctx.device)
     data = tokenized(ctx.sources.data[task], task, "calibration", settings, ctx.evaluator.tokenizer)
-    features = collect_features(task, index, data, expert, None, settings.layers, settings.batch_size, ctx.progress)
+    features = collect_features(task, index, data, expert, None, layers, settings.batch_size, ctx.progress)
     side = TaskSide(calibration=data, features=features, expert=ctx.evaluator.expert_side(index, expert, tune, base_passes))
     logger.info("expert %s: features, held-out outputs and task score done", task)
     del expert
@@ -192,16 +218,25 @@ def task_side(index: int, ctx: Context, tune: bool, base_passes: list[bool] | No
     return side
 
 
+def with_targets(features: TaskFeatures, layers: Sequence[LayerKey]) -> TaskFeatures:
+    """The features with the expert's targets at `layers` only: what one variant's loss reads."""
+    return replace(features, targets={k: features.targets[k] for k in layers})
+
+
 def merge_sides(merged: PreTrainedModel, sides: Sequence[TaskSide], ctx: Context) -> MergeSides:
-    """The merged model over every task's sets, and over its calibration sets in feature mode."""
+    """The merged model over every task's sets, and over its calibration sets at the final representation
+    (feature-mode variants train on those states)."""
     settings = ctx.config.calibration
-    features = [
-        replace(side.features, merged=collect_merged(side.expert.task, side.calibration, merged, settings.layers,
-                                                     settings.batch_size, ctx.progress))
-        if features_only(settings.layers) else side.features
-        for side in sides
-    ]
+    features = [replace(side.features, merged=collect_merged(side.expert.task, side.calibration, merged, ["final"],
+                                                             settings.batch_size, ctx.progress))
+                for side in sides]
     return MergeSides(features, [(side.expert, ctx.evaluator.merged_side(merged, side.expert)) for side in sides])
+
+
+def variant_features(features: Sequence[TaskFeatures], settings: CalibrationSection) -> list[TaskFeatures]:
+    """What a variant trains on: its loss layers' targets, and the merged states only in feature mode."""
+    mode = features_only(settings.layers)
+    return [replace(with_targets(f, settings.loss_layers()), merged=f.merged if mode else {}) for f in features]
 
 
 def tune(
@@ -213,7 +248,7 @@ def tune(
     best: dict[str, tuple[float, CalibrationSection]] = {}
     for number, pair in enumerate(sweep_settings(settings, plan.config.tasks, plan.trials, seed=settings.seed)):
         for name, trial in zip(("surgery", "darts"), pair):
-            result = train_corrections(sides.features, trial, merged, progress=False)
+            result = train_corrections(variant_features(sides.features, trial), trial, merged, progress=False)
             validation = ctx.evaluator.evaluate(merged, result.corrections, sides.pairs, split="validation")
             value = validation["overall"][plan.select]
             value = float("-inf") if value is None else value
@@ -252,37 +287,61 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         log_config(tracking, config)
     device = resolve_device(settings.device)
     sources = resolve_sources(config)
+    config = with_concrete_layers(config, sources)
+    settings = config.calibration
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), progress)
     ctx = Context(config, sources, evaluator, device, model_dtype(settings.dtype, device), progress)
+    deep_layers, vectors = None, None
+    needed = set(settings.loss_layers())
+    if plan.extended:
+        vectors = read_task_vectors(sources.base, sources.experts).to(device)
+        num_layers = vectors.num_layers
+        deep_layers = concrete_layers(plan.deep_layers, num_layers, vectors.changed_layers)
+        aligned = concrete_layers(settings.coefficients.layers, num_layers, vectors.changed_layers)
+        config = updated(config, calibration=updated(settings, coefficients=updated(settings.coefficients,
+                                                                                    layers=aligned)))
+        ctx.config = config
+        needed |= {*deep_layers, *fit_layers(aligned, num_layers)}
+    layers = [*sorted(k for k in needed if isinstance(k, int)), *(["final"] if "final" in needed else [])]
     base_passes = base_scores(evaluator, sources.base, ctx.dtype, device)
-    experts = [task_side(index, ctx, plan.trials > 0, base_passes.get(task)) for index, task in enumerate(config.tasks)]
+    experts = [task_side(index, ctx, plan.trials > 0, base_passes.get(task), layers)
+               for index, task in enumerate(config.tasks)]
     methods: dict[str, dict[str, object]] = {}
     variants, trials, router_report = plan.variants, None, None
     for method in plan.merge_methods:
+        headline = method == plan.merge_methods[0]
         merged_dir = merge_stage(_merge_config(config, method), sources)
         merged = load_causal_lm(merged_dir, dtype=ctx.dtype, device=device)
         router = None
-        if method == plan.merge_methods[0]:  # the router of the headline merge: its accuracy and DARTS's routed scores
+        if headline:  # the router of the headline merge: its accuracy and DARTS's routed scores
             router_report = fit_run_router(config, sources.data, merged_dir, evaluator.layer, model=merged)
             router = TaskRouter.load(Path(router_report["path"]))
         sides = merge_sides(merged, experts, ctx)
         tuned_here = plan.trials > 0 and trials is None
         if tuned_here:  # on the headline merge; the others reuse its winners, so merges compare at equal settings
             variants, trials = tune(plan, merged, sides, ctx)
+        here = dict(variants)
+        if headline and deep_layers is not None:
+            here[DEEP] = updated(variants["darts"], layers=deep_layers)
         results = {}
-        for name, variant in variants.items():
-            results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking,
+        for name, variant in here.items():
+            results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking, plan.seeds,
                                          router if name == "darts" else None)
+        if headline and vectors is not None:
+            results |= _coefficient_variants(plan, variants["darts"], vectors, merged, sides, experts, ctx, tracking)
         methods[method] = {"merged": str(merged_dir), "variants": results, **({"tuning": trials} if tuned_here else {})}
         del merged, sides
         gc.collect()
     plot = plot_ablation_bias({m: r["variants"] for m, r in methods.items()},
                               config.run_dir / "plots" / "ablation_bias_by_position.png")
+    headline_variants = methods[plan.merge_methods[0]]["variants"]
     report = {
         "config": config.model_dump(mode="json"),
         "run_dir": str(config.run_dir),
         "headline_merge_method": plan.merge_methods[0],
-        "variants": methods[plan.merge_methods[0]]["variants"],
+        "seeds": plan.seeds,
+        "variants": headline_variants,
+        "claims": claims(headline_variants),
         "merge_methods": methods,
         "router": router_report,
         "tuning": {"trials": plan.trials, "select": plan.select, "merge_method": plan.merge_methods[0],
@@ -302,35 +361,137 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     return report
 
 
+def _seeded(settings: CalibrationSection, seed: int) -> CalibrationSection:
+    return updated(settings, seed=settings.seed + seed)
+
+
+def _log_variant(tracking: Tracking | None, method: str, name: str, summary: dict[str, object]) -> None:
+    if tracking is None:
+        return
+    run_id = tracking.start_stage(f"ablation/{method}/{name}", {"darts.merge_method": method, "darts.variant": name})
+    tracking.log_params(run_id, {"merge_method": method, "variant": name,
+                                 "calibration": summary["settings"] or "none", "seeds": len(summary["seed_runs"])})
+    for seed, run in enumerate(summary["seed_runs"]):
+        if run["calibration"] is not None:
+            tracking.log_metrics(run_id, run["calibration"], step=seed)
+    log_evaluation(tracking, run_id, summary, {})
+    tracking.log_metrics(run_id, {f"eval.overall_sd.{k}": v for k, v in summary["overall_sd"].items()
+                                  if v is not None})
+
+
 def _run_variant(
     name: str, settings: CalibrationSection | None, method: str, merged: PreTrainedModel, merged_dir: Path,
-    sides: MergeSides, ctx: Context, tracking: Tracking | None, router: TaskRouter | None = None,
+    sides: MergeSides, ctx: Context, tracking: Tracking | None, seeds: int = 1, router: TaskRouter | None = None,
 ) -> dict[str, object]:
-    """Train one variant (none for `merged`), save its corrections, evaluate it on held-out data, log it."""
+    """Train one variant once per seed (none for `merged`), save its corrections, evaluate each on held-out data;
+    the mean over seeds with its spread, logged."""
     logger.info("%s / %s: %s", method, name, "evaluating" if settings is None else "training, then evaluating")
-    corrections = calibration = path = None
-    if settings is not None:
-        result = train_corrections(sides.features, settings, merged, progress=ctx.progress)
-        corrections = result.corrections
-        path = save_corrections_for(ctx.config.run_dir / "ablation" / method / f"{name}.safetensors", corrections,
-                                    merged_dir)
-        corrections = corrections.to(ctx.device)
-        calibration = {"first_loss": result.losses[0], "final_loss": result.losses[-1], "train_seconds": result.seconds}
-    evaluation = ctx.evaluator.evaluate(merged, corrections, sides.pairs, router=router)
-    summary = {
-        "settings": None if settings is None else settings.model_dump(mode="json"),
-        "corrections": None if path is None else str(path),
-        "calibration": calibration,
-        **evaluation,
-    }
-    if tracking is not None:
-        run_id = tracking.start_stage(f"ablation/{method}/{name}", {"darts.merge_method": method, "darts.variant": name})
-        tracking.log_params(run_id, {"merge_method": method, "variant": name,
-                                     "calibration": summary["settings"] or "none"})
-        if calibration is not None:
-            tracking.log_metrics(run_id, calibration)
-        log_evaluation(tracking, run_id, evaluation, {})
+    runs = []
+    for seed in range(1 if settings is None else seeds):
+        corrections = calibration = path = None
+        if settings is not None:
+            seeded = _seeded(settings, seed)
+            result = train_corrections(variant_features(sides.features, seeded), seeded, merged, progress=ctx.progress)
+            suffix = "" if seed == 0 else f"-seed{seed}"
+            path = save_corrections_for(ctx.config.run_dir / "ablation" / method / f"{name}{suffix}.safetensors",
+                                        result.corrections, merged_dir)
+            corrections = result.corrections.to(ctx.device)
+            calibration = {"first_loss": result.losses[0], "final_loss": result.losses[-1],
+                           "train_seconds": result.seconds}
+        evaluation = ctx.evaluator.evaluate(merged, corrections, sides.pairs, router=router)
+        runs.append({"corrections": None if path is None else str(path), "calibration": calibration, **evaluation})
+    summary = {"settings": None if settings is None else settings.model_dump(mode="json"), **over_seeds(runs)}
+    _log_variant(tracking, method, name, summary)
     return summary
+
+
+def _coefficient_variants(
+    plan: AblationPlan, darts: CalibrationSection, vectors: TaskVectors, merged: PreTrainedModel,
+    sides: MergeSides, experts: Sequence[TaskSide], ctx: Context, tracking: Tracking | None,
+) -> dict[str, dict[str, object]]:
+    """The learned merge coefficients alone and with DARTS on the learned merge, once per seed, judged against
+    the headline merge."""
+    config = ctx.config
+    base = load_causal_lm(ctx.sources.base, dtype=ctx.dtype, device=ctx.device)
+    aligned = config.calibration.coefficients.layers
+    fit_features = [with_targets(f, fit_layers(aligned, vectors.num_layers)) for f in sides.features]
+    alone, corrected = [], []
+    for seed in range(plan.seeds):
+        seeded = _seeded(darts, seed)
+        logger.info("%s: fitting merge coefficients (seed %d)", COEFFICIENTS, seed)
+        fit = fit_coefficients(fit_features, base, vectors, initial_coefficients(config),
+                               updated(seeded, coefficients=config.calibration.coefficients), ctx.progress)
+        folder = config.run_dir / "ablation" / "learned-merge" / f"seed{seed}"
+        learned_dir = learned_merge(config, ctx.sources.base, ctx.sources.experts, fit, folder)
+        learned = load_causal_lm(learned_dir, dtype=ctx.dtype, device=ctx.device)
+        coefficients = {"learned_merge": str(learned_dir), "table": fit.merge.table(),
+                        "first_loss": fit.losses[0], "final_loss": fit.losses[-1], "fit_seconds": fit.seconds}
+        alone.append({"coefficients": coefficients, "calibration": None,
+                      **ctx.evaluator.evaluate(merged, None, sides.pairs, candidate=learned)})
+        features = [replace(f, merged=collect_merged(f.task, side.calibration, learned, ["final"],
+                                                     config.calibration.batch_size, ctx.progress))
+                    for f, side in zip(sides.features, experts)]
+        result = train_corrections(variant_features(features, seeded), seeded, learned, progress=ctx.progress)
+        path = save_corrections_for(folder / "darts.safetensors", result.corrections, learned_dir)
+        corrected.append({"coefficients": coefficients, "corrections": str(path),
+                          "calibration": {"first_loss": result.losses[0], "final_loss": result.losses[-1],
+                                          "train_seconds": result.seconds},
+                          **ctx.evaluator.evaluate(merged, result.corrections.to(ctx.device), sides.pairs,
+                                                   candidate=learned)})
+        del learned
+        gc.collect()
+    out = {COEFFICIENTS: {"settings": None, **over_seeds(alone)},
+           COEFFICIENTS_DARTS: {"settings": darts.model_dump(mode="json"), **over_seeds(corrected)}}
+    for name, summary in out.items():
+        _log_variant(tracking, plan.merge_methods[0], name, summary)
+    return out
+
+
+def _mean(values: Sequence[object]) -> object:
+    """The mean over seeds of one result: numbers averaged (None if a seed has none), lists and dicts entry by
+    entry, anything else (names, flags) as the first seed has it."""
+    first = values[0]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return None if any(v is None for v in values) else statistics.fmean(values)
+    if isinstance(first, list) and all(isinstance(v, list) and len(v) == len(first) for v in values):
+        return [_mean(column) for column in zip(*values)]
+    if isinstance(first, dict):
+        return {key: _mean([v.get(key) for v in values]) for key in first}
+    return first
+
+
+def over_seeds(runs: Sequence[dict[str, object]]) -> dict[str, object]:
+    """One variant over its seeds: `overall` and `tasks` are means over seeds, `overall_sd` the standard
+    deviation of each overall number (0 with one seed), `seed_runs` each seed's own results."""
+    overall = _mean([run["overall"] for run in runs])
+    spread = {}
+    for key, value in overall.items():
+        if isinstance(value, float):
+            values = [run["overall"][key] for run in runs]
+            spread[key] = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"overall": overall, "overall_sd": spread, "tasks": _mean([run["tasks"] for run in runs]),
+            "seed_runs": list(runs)}
+
+
+def claims(variants: Mapping[str, Mapping[str, object]], metrics: Sequence[str] = COMPARED) -> list[str]:
+    """"A beats B on M" for every pair of variants whose mean paired difference over seeds (seed i against
+    seed i; an untrained variant's one result against each) exceeds two standard deviations of the differences.
+    Nothing with one seed: a spread needs two."""
+    found = []
+    for metric in metrics:
+        values = {name: [run["overall"].get(metric) for run in variant["seed_runs"]] for name, variant in variants.items()}
+        values = {name: v for name, v in values.items() if v and None not in v}
+        seeds = max(map(len, values.values()), default=0)
+        if seeds < 2:
+            continue
+        paired = {name: v * seeds if len(v) == 1 else v for name, v in values.items() if len(v) in (1, seeds)}
+        for a, b in itertools.permutations(paired, 2):
+            differences = [x - y for x, y in zip(paired[a], paired[b])]
+            mean, sd = statistics.fmean(differences), statistics.stdev(differences)
+            if mean > 0 and mean > 2 * sd:
+                found.append(f"{a} beats {b} on {metric}: {format_value(metric, mean)} "
+                             f"(sd of the paired differences {format_value(metric, sd)}, {seeds} seeds)")
+    return found
 
 
 # --- tables -------------------------------------------------------------------------------------
@@ -341,20 +502,35 @@ OVERALL_COLUMNS = {
     "late_bias_reduction": "late (t>=64)",
     "nll_corrected": "NLL",
     "nll_gap_closed": "NLL gap closed",
+    "score_gap_closed": "score gap closed",
 }
 TASK_COLUMNS = {**OVERALL_COLUMNS, "score_corrected": "score", "score_routed": "routed score",
                 "canonical_nll_corrected": "solution NLL"}
 
 
+def _with_spread(key: str, value: object, sd: object) -> str:
+    shown = format_value(key, value)
+    return shown if not sd or shown == "-" else f"{shown} ± {format_value(key, sd)}"
+
+
 def ablation_tables(report: Mapping[str, object]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, headers, rows) of the overall table and the per-task one, for every merge method and variant."""
+    """(title, headers, rows) of the overall table (means over seeds ± their standard deviation), the per-task
+    one, and the claims that hold beyond two standard deviations, for every merge method and variant."""
     overall_rows, task_rows = [], []
     for method, result in report["merge_methods"].items():
         for name, variant in result["variants"].items():
-            overall_rows.append([method, name, *(format_value(k, variant["overall"].get(k)) for k in OVERALL_COLUMNS)])
+            spread = variant.get("overall_sd", {})
+            overall_rows.append([method, name, *(_with_spread(k, variant["overall"].get(k), spread.get(k))
+                                                 for k in OVERALL_COLUMNS)])
             for task, values in variant["tasks"].items():
                 task_rows.append([method, name, task, *(format_value(k, values.get(k)) for k in TASK_COLUMNS)])
+    seeds = report.get("seeds", 1)
+    claimed = [[claim] for claim in report.get("claims", [])] or [[
+        "none: one seed gives no spread" if seeds < 2 else "none beyond two standard deviations"]]
     return [
-        ("ablation, held-out, mean over tasks", ["merge", "variant", *OVERALL_COLUMNS.values()], overall_rows),
-        ("ablation, held-out, per task", ["merge", "variant", "task", *TASK_COLUMNS.values()], task_rows),
+        (f"ablation, held-out, mean over tasks ({seeds} seed{'s' if seeds > 1 else ''}: mean ± sd)",
+         ["merge", "variant", *OVERALL_COLUMNS.values()], overall_rows),
+        ("ablation, held-out, per task (mean over seeds)", ["merge", "variant", "task", *TASK_COLUMNS.values()],
+         task_rows),
+        ("ablation: differences beyond two standard deviations over seeds", ["claim"], claimed),
     ]

@@ -155,6 +155,14 @@ def cmd_recalibrate(args: argparse.Namespace) -> None:
     _calibrate(config, args, "recalibrate", {"traffic": traffic})
 
 
+def _print_products(report: dict) -> None:
+    """What the calibration made: the learned merge (merge coefficients) and the corrections."""
+    if "coefficients" in report:
+        console.print(f"learned merge: {report['coefficients']['learned_merge']} (its mergekit YAML: mergekit_config.yml)")
+    if "corrections" in report:
+        console.print(f"corrections: {report['corrections']}")
+
+
 def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes: dict | None = None) -> None:
     from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
 
@@ -162,7 +170,7 @@ def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes:
         state = prepare(config, tracking)
         state.report.update(notes or {})
         corrections = run_calibration(state)
-        console.print(f"corrections: {corrections}")
+        _print_products(state.report)
         # The registry's alias moves on held-out results, so evaluate whenever there is held-out data.
         if has_heldout(state):
             print_tables(evaluation_tables(f"{config.name}: held-out, merged vs. corrected",
@@ -195,13 +203,15 @@ def cmd_demo(args: argparse.Namespace) -> None:
     logger.info("darts-dist demo (%s): run folder %s", name, config.run_dir)
     if args.ablate:  # the ablation table on the same config instead of one calibration
         return _ablate(config, args)
-    if args.merge_methods or args.tune or args.validation_fraction is not None:
-        raise DartsError("--merge-methods, --tune and --validation-fraction choose what the ablation compares",
+    if args.merge_methods or args.tune or args.validation_fraction is not None or args.seeds != 1 or args.basic:
+        raise DartsError("--merge-methods, --tune, --validation-fraction, --seeds and --basic choose what the "
+                         "ablation compares",
                          "add --ablate to run the ablation")
     with _session(config.tracking, config.name, "demo") as tracking:
         state = prepare(config, tracking)
-        console.print(f"corrections: {run_calibration(state)}")
-        evaluation = run_evaluation(state, Path(state.report["corrections"]))
+        corrections = run_calibration(state)
+        _print_products(state.report)
+        evaluation = run_evaluation(state, corrections)
         print_tables(evaluation_tables(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation))
         console.print(f"plots: {config.run_dir / 'plots'}")
         with state.timed("registration"):
@@ -221,8 +231,9 @@ def _ablate(config: RunConfig, args: argparse.Namespace) -> None:
     from darts_dist.ablation import ablation_tables, plan_ablation, run_ablation
 
     methods = [m.strip() for m in args.merge_methods.split(",") if m.strip()] if args.merge_methods else None
+    deep = [part.strip() for part in args.deep_layers.split(",") if part.strip()]
     plan = plan_ablation(config, methods, trials=args.tune, validation_fraction=args.validation_fraction,
-                         select=args.select)
+                         select=args.select, seeds=args.seeds, deep_layers=deep, extended=not args.basic)
     with _session(config.tracking, config.name, "ablate") as tracking:
         report = run_ablation(plan, tracking)
         print_tables([(f"{config.name}: {title}", headers, rows) for title, headers, rows in ablation_tables(report)])
@@ -388,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--corrections", type=Path, default=None, help="corrections file, for a merged model folder")
         p.add_argument("--router", type=Path, default=None, help="router file, for a merged model folder")
 
-    ablate = command("ablate", "the ablation table: merged, Surgery, +entropy, +position, DARTS, per merge method",
+    ablate = command("ablate", "the ablation table: merged, Surgery, +entropy, +position, DARTS, per merge method; "
+                     "deep DARTS, learned merge coefficients (+DARTS)",
                      cmd_ablate)
     ablate.add_argument("config", type=Path)
     for p in (demo, ablate):
@@ -400,6 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of the calibration data held back for tuning (default: the config's, else 0.2)")
         p.add_argument("--select", default="nll_gap_closed",
                        help="validation metric tuning maximises (default nll_gap_closed)")
+        p.add_argument("--seeds", type=int, default=1,
+                       help="train every variant with this many seeds; the tables give mean ± sd (default 1)")
+        p.add_argument("--deep-layers", default="changed,final", metavar="L1,L2",
+                       help="deep DARTS's surgery layers: indices, final, all, every:N, changed (default changed,final)")
+        p.add_argument("--basic", action="store_true",
+                       help="only merged, Surgery, +entropy, +position and DARTS (no deep DARTS, no learned coefficients)")
     sweep = command("merge-sweep", "score candidate merges on the validation split and name the best", cmd_merge_sweep)
     sweep.add_argument("config", type=Path)
     sweep.add_argument("--candidates", nargs="+", default=None, metavar="METHOD[:K=V,...]",

@@ -15,10 +15,14 @@ from darts_dist.errors import DartsError
 
 logger = logging.getLogger(__name__)
 PositiveInt = Annotated[int, Field(gt=0)]
-Layer = int | Literal["final"]
+# A surgery layer: a decoder layer's index or "final" (the final norm's output); in a config also a set of
+# layers, made concrete once the model is known (calibrate.layers): "all" decoder layers, "every:N" (layers
+# N−1, 2N−1, …, up to the top one), "changed" (the decoder layers some expert's weights differ from the base's in).
+Layer = int | Annotated[str, Field(pattern=r"^(final|all|changed|every:[1-9][0-9]*)$")]
 # What a run folder (OUTPUT_DIR/NAME) holds, by name; the router's file is core.ROUTER_FILE.
 RUN_CONFIG_FILE = "config.yaml"  # the validated config that made the run
 MERGED_FOLDER = "merged"  # the merged model, unless merge.output puts it elsewhere
+LEARNED_FOLDER = "learned-merge"  # calibration.method merge_coefficients[+darts]: the learned merge
 CORRECTIONS_FILE = "corrections.safetensors"
 # Prompt tokens whose keys and values a generation engine's prefix cache keeps (~46 kB each for SmolLM2-135M
 # in fp32): serving's default and evaluation's.
@@ -98,10 +102,34 @@ class TaskCalibration(_Section):
     weight_on: Literal["all", "response"] | None = None
 
 
-class CalibrationSection(_Section):
-    """The DARTS correction and its training (DESIGN.md §1)."""
+class CoefficientSection(_Section):
+    """Learned merge coefficients (calibration.method merge_coefficients): their Adam fit."""
 
+    # Where the merged model's hidden states are aligned with each expert's (each layer on the expert's input
+    # to it), at the layers that expert changed; layer sets as for calibration.layers.
+    layers: list[Layer] = Field(default_factory=lambda: ["changed", "final"], min_length=1)
+    steps: PositiveInt = 200
+    learning_rate: float = Field(default=0.01, gt=0.0)
+    # The start of every expert's coefficients; None: the run's merge, where it is task_arithmetic (each expert's
+    # weight), else 1/K.
+    init: float | None = None
+    # Weight of the logits' term, KL(expert ‖ merged) per token, next to the hidden states' L1 (needs "final"
+    # among the layers: the expert's logits are its LM head on its streamed final state); 0: hidden states only.
+    logit_weight: float = Field(default=0.0, ge=0.0)
+
+
+class CalibrationSection(_Section):
+    """The DARTS correction and its training (DESIGN.md §1), or learned merge coefficients, or both."""
+
+    # darts: corrections on the run's merge; merge_coefficients: per-layer task-arithmetic coefficients fitted on
+    # the same expert stream, written as a merged model and its mergekit YAML (no corrections);
+    # merge_coefficients+darts: DARTS on that learned merge.
+    method: Literal["darts", "merge_coefficients", "merge_coefficients+darts"] = "darts"
     layers: list[Layer] = Field(default_factory=lambda: ["final"], min_length=1)
+    # Where the loss is taken: at every corrected layer against the expert's hidden state there (SurgeryV2),
+    # or at the last corrected layer only (the layers below trained through the model to serve it).
+    loss_at: Literal["every", "last"] = "every"
+    coefficients: CoefficientSection = Field(default_factory=CoefficientSection)
     rank: PositiveInt = 16
     max_positions: PositiveInt = 512
     position_bias: Literal["per_task", "shared", "none"] = "per_task"
@@ -131,6 +159,13 @@ class CalibrationSection(_Section):
         if any(isinstance(layer, int) and layer < 0 for layer in layers):
             raise ValueError(f"decoder layer indices count from 0, got {layers}")
         return layers
+
+    def loss_layers(self) -> list[Layer]:
+        """The layers whose expert hidden states the loss reads: every surgery layer (loss_at every), or the last
+        one only, "final" if corrected there, else the highest decoder layer (loss_at last)."""
+        if self.loss_at == "every":
+            return list(self.layers)
+        return ["final"] if "final" in self.layers else [max(k for k in self.layers if isinstance(k, int))]
 
     def beta_for(self, task: str) -> float:
         override = self.tasks.get(task)
@@ -314,6 +349,12 @@ class RunConfig(_Section):
     def merged_dir(self) -> Path:
         """Where the run's merged model goes: `merge.output`, else RUN_DIR/merged."""
         return self.merge.output or self.run_dir / MERGED_FOLDER
+
+    @property
+    def model_dir(self) -> Path:
+        """The model the run's corrections apply to and that it serves: the learned merge (RUN_DIR/learned-merge)
+        when calibration.method fits merge coefficients, else the merged model."""
+        return self.merged_dir if self.calibration.method == "darts" else self.run_dir / LEARNED_FOLDER
 
 
 Section = TypeVar("Section", bound=_Section)

@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 import yaml
 
+from darts_dist.calibrate.coefficients import COEFFICIENTS_FILE, coefficient_stage
 from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.calibrate.in_process import CalibrationOutcome, calibrate_stage
+from darts_dist.calibrate.layers import with_concrete_layers
 from darts_dist.calibrate.ray.job import calibrate_distributed
 from darts_dist.calibrate.ray.placement import placement_tags
 from darts_dist.calibrate.router import fit_run_router
@@ -30,7 +32,13 @@ from darts_dist.config import RUN_CONFIG_FILE, RunConfig
 from darts_dist.core import ROUTER_FILE, TaskRouter, read_header
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, headline_layer
-from darts_dist.evaluate.plots import plot_bias_by_position, plot_entropy_weights, plot_loss, plot_task_scores
+from darts_dist.evaluate.plots import (
+    plot_bias_by_position,
+    plot_coefficients,
+    plot_entropy_weights,
+    plot_loss,
+    plot_task_scores,
+)
 from darts_dist.fsutil import atomic_file
 from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, non_finite_tensors, resolve_device
@@ -108,7 +116,11 @@ def evaluate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None,
     router_path: Path | None = None,
 ) -> dict[str, object]:
-    """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert (and routed, with a router)."""
+    """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert (and routed, with a router).
+
+    The corrections apply to config.model_dir: the merged model, or the learned merge, which is then judged
+    (with its corrections, if any) against the merged model it started from.
+    """
     settings = config.calibration
     missing = [t for t in config.tasks if sources.data[t].heldout is None]
     if missing:
@@ -117,8 +129,9 @@ def evaluate_stage(
     device = resolve_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
     corrections = router = None
+    model_dir = config.model_dir if config.calibration.method != "darts" else merged_dir
     if corrections_path is not None:
-        corrections = load_corrections_for(corrections_path, merged_dir, config.tasks).to(device)
+        corrections = load_corrections_for(corrections_path, model_dir, config.tasks).to(device)
         router = None if router_path is None else TaskRouter.load(router_path)
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base))
     base_passes = base_scores(evaluator, sources.base, dtype, device)
@@ -134,7 +147,8 @@ def evaluate_stage(
             gc.collect()
             yield side, evaluator.merged_side(merged, side)
 
-    return evaluator.evaluate(merged, corrections, sides(), router=router)
+    candidate = None if model_dir == merged_dir else load_causal_lm(model_dir, dtype=dtype, device=device)
+    return evaluator.evaluate(merged, corrections, sides(), router=router, candidate=candidate)
 
 
 def write_report(path: Path, report: dict[str, object]) -> Path:
@@ -171,6 +185,7 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
     the merge gets its own run."""
     started = time.perf_counter()
     sources = resolve_sources(config)  # builds the demo's experts on first use
+    config = with_concrete_layers(config, sources)
     sources_seconds = round(time.perf_counter() - started, 1)
     merged_dir = merge_stage(config, sources)
     with atomic_file(config.run_dir / RUN_CONFIG_FILE) as tmp:
@@ -194,11 +209,43 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
 CALIBRATION_PLOTS = ("loss", "entropy_weights")  # the calibration run's PNGs, by their name in the report
 
 
-def run_calibration(state: RunState) -> Path:
+def run_coefficients(state: RunState) -> Path:
+    """Fit the merge coefficients (calibration.method merge_coefficients[+darts]) and write the learned merge;
+    tracked, in a `coefficients` stage run: the loss per step, the coefficients, their plot, the mergekit YAML."""
+    config, tracking = state.config, state.tracking
+    run_id = on_step = None
+    if tracking is not None:
+        run_id = tracking.start_stage("coefficients", system_tags(config, str(resolve_device(config.calibration.device)),
+                                                                  executor="in-process"))
+        on_step = tracking.step_logger(run_id)
+    with state.timed("coefficients"):
+        learned, fit = coefficient_stage(config, state.sources, on_step=on_step)
+    plot = plot_coefficients(fit.merge.table(), config.run_dir / "plots" / "coefficients.png")
+    state.report["coefficients"] = {"learned_merge": str(learned), "table": fit.merge.table(),
+                                    "first_loss": fit.losses[0], "final_loss": fit.losses[-1],
+                                    "seconds": fit.seconds, "task_vector_bytes": fit.merge.vectors.nbytes()}
+    state.report["plots"]["coefficients"] = str(plot)
+    if tracking is not None:
+        on_step.flush()
+        tracking.log_metrics(run_id, {"coefficients.first_loss": fit.losses[0],
+                                      "coefficients.final_loss": fit.losses[-1]})
+        for path in (plot, learned / "mergekit_config.yml", learned / COEFFICIENTS_FILE):
+            tracking.log_file(run_id, path, "coefficients")
+    return learned
+
+
+def run_calibration(state: RunState) -> Path | None:
     """calibrate (on Ray or in-process, as `cluster.executor` says), save the corrections and the plots
-    (tracked: per-step metrics too); returns the corrections' path."""
+    (tracked: per-step metrics too); returns the corrections' path. With merge coefficients, they are fitted
+    first and the corrections (merge_coefficients+darts) apply to the learned merge; merge_coefficients alone
+    trains no corrections (None)."""
+    if state.config.calibration.method != "darts":
+        run_coefficients(state)
+        if state.config.calibration.method == "merge_coefficients":
+            return None
     started = time.perf_counter()
     config, tracking = state.config, state.tracking
+    model_dir = config.model_dir if config.calibration.method != "darts" else state.merged_dir
     executor = config.cluster.executor
     run_id = on_step = None
     if tracking is not None:
@@ -209,9 +256,10 @@ def run_calibration(state: RunState) -> Path:
         on_step = tracking.step_logger(run_id)
     calibrate = calibrate_distributed if executor == "ray" else calibrate_stage
     with state.timed("calibration"):
-        outcome: CalibrationOutcome = calibrate(config, state.sources, state.merged_dir, on_step=on_step)
+        outcome: CalibrationOutcome = calibrate(config, state.sources, model_dir, on_step=on_step)
     losses = outcome.result.losses
     state.report["corrections"] = str(outcome.corrections_path)
+    state.report["model"] = str(model_dir)
     state.report["calibration"] = {
         "executor": executor,
         "steps": len(losses),
@@ -224,7 +272,7 @@ def run_calibration(state: RunState) -> Path:
     }
     # The task router (routed serving) learns from the same calibration prompts.
     with state.timed("router"):
-        state.report["router"] = fit_run_router(config, state.sources.data, state.merged_dir,
+        state.report["router"] = fit_run_router(config, state.sources.data, model_dir,
                                                 headline_layer(config.calibration.layers))
     plots = {
         "loss": plot_loss(losses, config.run_dir / "plots" / "loss.png"),
@@ -251,8 +299,8 @@ def track_calibration(tracking: Tracking, run_id: str, config: RunConfig, report
                                    **placement_tags(job["placement"])})
     corrections = Path(report["corrections"])
     plots = {name: Path(report["plots"][name]) for name in CALIBRATION_PLOTS}
-    log_calibration(tracking, run_id, config, Path(report["merged"]), corrections, read_header(corrections), plots,
-                    summary)
+    log_calibration(tracking, run_id, config, Path(report.get("model", report["merged"])), corrections,
+                    read_header(corrections), plots, summary)
 
 
 EVALUATION_PLOTS = ("bias_by_position", "task_scores")  # the evaluation's PNGs, by their name in the report
@@ -334,15 +382,20 @@ def register_calibration(state: RunState) -> Registration | None:
     tracking = state.tracking
     if tracking is None or tracking.offline is not None:
         return None  # the store went away: `darts-dist register RUN_DIR` registers it once it is back
-    run_id = tracking.stages["calibration"]
     config = state.config
+    if "calibration" not in state.report:  # merge_coefficients alone: a learned merge, no corrections
+        state.report["tracking"]["decision"] = (f"not registered: merge_coefficients trains no corrections; the learned "
+                                                f"merge is the model folder {config.model_dir}")
+        return None
+    run_id = tracking.stages["calibration"]
     if not accepted(state.report["calibration"]["losses"]):
         decision = "not registered: the calibration loss did not go down (or was not finite)"
         tracking.set_tags(run_id, {DECISION_TAG: decision})
         state.report["tracking"]["decision"] = decision
         return None
     corrections = Path(state.report["corrections"])
-    logged = log_pyfunc_model(tracking.uri, run_id, state.merged_dir, corrections, example_task=config.tasks[0],
+    logged = log_pyfunc_model(tracking.uri, run_id, Path(state.report["model"]), corrections,
+                              example_task=config.tasks[0],
                               router=Path(state.report["router"]["path"]))
     registration = register_version(
         tracking.client, registered_model_name(config), logged, run_id, config.tracking.alias

@@ -115,24 +115,35 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
     path = tmp_path / "abl.yaml"
     path.write_text(yaml.safe_dump(config))
     report_path = tmp_path / "ablation.json"
-    assert main(["ablate", str(path), "--merge-methods", "task_arithmetic,ties", "--tune", "2",
+    assert main(["ablate", str(path), "--merge-methods", "task_arithmetic,ties", "--tune", "2", "--seeds", "2",
                  "--report", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     assert list(report["merge_methods"]) == ["task_arithmetic", "ties"]
     assert report["variants"] == report["merge_methods"]["task_arithmetic"]["variants"]
     keys = {"bias_reduction", "weighted_bias_reduction", "late_bias_reduction", "nll_gap_closed"}
+    basic = ["merged", "surgery", "entropy", "position", "darts"]
+    # Deep DARTS and the learned coefficients (alone and with DARTS) on the headline merge only.
+    assert list(report["variants"]) == [*basic, "deep", "coefficients", "coefficients+darts"]
+    assert list(report["merge_methods"]["ties"]["variants"]) == basic
+    assert report["variants"]["deep"]["settings"]["layers"] == [2, 3, "final"]  # the tiny experts' layers
+    learned = Path(report["variants"]["coefficients"]["seed_runs"][1]["coefficients"]["learned_merge"])
+    assert (learned / "mergekit_config.yml").is_file()
+    assert report["seeds"] == 2 and isinstance(report["claims"], list)
     for method in report["merge_methods"].values():
-        assert list(method["variants"]) == ["merged", "surgery", "entropy", "position", "darts"]
         for name, variant in method["variants"].items():
-            assert keys <= set(variant["overall"])
+            assert keys <= set(variant["overall"]) and {"bias_reduction", "weighted_bias_reduction"} <= set(variant["overall_sd"])
+            assert len(variant["seed_runs"]) == (1 if name == "merged" else 2)
+            if name in ("deep", "coefficients", "coefficients+darts"):
+                continue
             assert set(variant["tasks"]) == set(TASKS)
             for task in variant["tasks"].values():
                 assert keys | {"score_base", "score_expert", "score_merged", "score_corrected", "score_n",
                                "score_corrected_ci", "score_pvalue"} <= set(task)
+            corrections = variant["seed_runs"][0]["corrections"]
             if name == "merged":
-                assert variant["corrections"] is None and variant["overall"]["bias_reduction"] == 0.0
+                assert corrections is None and variant["overall"]["bias_reduction"] == 0.0
             else:
-                assert Path(variant["corrections"]).is_file() and variant["overall"]["bias_reduction"] > 0
+                assert Path(corrections).is_file() and variant["overall"]["bias_reduction"] > 0
         assert variant["tasks"]["code"]["score_name"] == "humaneval" and "canonical_nll_corrected" in variant["tasks"]["code"]
     # Tuning: paired trials of Surgery and DARTS on the validation split of the headline merge, whose
     # winners the other merge reuses.
@@ -148,7 +159,7 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
     for task in TASKS:
         scores = {name: v["tasks"][task] for name, v in report["variants"].items()}
         assert 0.0 <= scores["darts"]["score_routed"] <= 1.0
-        assert all("score_routed" not in s for name, s in scores.items() if name != "darts")
+        assert all(s.get("score_routed") is None for name, s in scores.items() if name != "darts")
         assert "score_routed" not in report["merge_methods"]["ties"]["variants"]["darts"]["tasks"][task]
     assert Path(report["plots"]["ablation_bias_by_position"]).read_bytes().startswith(b"\x89PNG")
     runs = report["tracking"]["stage_runs"]
@@ -169,7 +180,8 @@ def test_demo_ablate_reports_every_variant_and_the_router(tmp_path: Path, monkey
     assert main(["demo", "--tiny", "--ablate", "--steps", "10", "--merge-methods", "task_arithmetic",
                  "--score-limit", "0", "--output-dir", str(tmp_path / "runs"), "--report", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
-    assert list(report["variants"]) == ["merged", "surgery", "entropy", "position", "darts"]
+    assert list(report["variants"]) == ["merged", "surgery", "entropy", "position", "darts", "deep", "coefficients",
+                                        "coefficients+darts"]
     assert set(report["variants"]["darts"]["tasks"]) == {"code", "math", "instruct"}
     assert report["variants"]["surgery"]["settings"]["steps"] == 10
     assert 0.0 <= report["router"]["accuracy"] <= 1.0

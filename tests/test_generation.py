@@ -21,10 +21,10 @@ PROMPTS = [
 ]
 
 
-def strong_corrections(hidden_size: int, seed: int = 0) -> DartsCorrections:
+def strong_corrections(hidden_size: int, seed: int = 0, layers: tuple = ("final",)) -> DartsCorrections:
     """Corrections far from the identity, so a corrected sequence cannot pass for an uncorrected one."""
     torch.manual_seed(seed)
-    corrections = DartsCorrections(CorrectionSpec(TASKS, hidden_size, rank=4, max_positions=32), ["final"])
+    corrections = DartsCorrections(CorrectionSpec(TASKS, hidden_size, rank=4, max_positions=32), list(layers))
     with torch.no_grad():
         for p in corrections.parameters():
             p.copy_(torch.randn_like(p))

@@ -57,12 +57,13 @@ def free_port() -> int:
 
 
 def register_tiny_model(tiny_family, folder: Path) -> SimpleNamespace:
-    """A registry in `folder` holding version 1 of MODEL@champion: tiny merged model, strong corrections, a router
+    """A registry in `folder` holding version 1 of MODEL@champion: tiny merged model, strong deep corrections (at
+    decoder layer 1 and the final representation, so every served request runs a deep correction), a router
     fit on code vs. word-problem prompts, and the run config whose serve section the server takes."""
     merged_dir = folder / "merged"
     shutil.copytree(tiny_family.base, merged_dir)
     hidden_size = json.loads((merged_dir / "config.json").read_text())["hidden_size"]
-    corrections = save_corrections(folder / "corrections.safetensors", strong_corrections(hidden_size),
+    corrections = save_corrections(folder / "corrections.safetensors", strong_corrections(hidden_size, layers=(1, "final")),
                                    metadata=corrections_metadata(merged_dir))
     with CorrectedLM.load(merged_dir) as plain:
         features = prompt_features(plain.model, [plain.encode(p) for p in CODE + MATH], "final", plain.pad_id)

@@ -7,7 +7,7 @@ them with these functions. Imports stay torch-only: serving pools prompts with `
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -80,6 +80,10 @@ class TaskFeatures:
     entropy: torch.Tensor
     targets: dict[LayerKey, torch.Tensor]
     merged: dict[LayerKey, torch.Tensor] = field(default_factory=dict)
+    # Training through the model from decoder layer start_layer: the trained model's hidden states entering
+    # it (layer start_layer − 1's output, [N, S, d]), so the layers below run once, not at every step.
+    start_layer: int = 0
+    start_hidden: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -97,12 +101,34 @@ class TaskFeatures:
             "entropy": self.entropy[index][:, cut],
             "targets": {k: v[index][:, cut] for k, v in self.targets.items()},
             "merged": {k: v[index][:, cut] for k, v in self.merged.items()},
+            "start_hidden": None if self.start_hidden is None else self.start_hidden[index][:, cut],
         }
+
+
+@torch.no_grad()
+def with_start_hidden(features: TaskFeatures, model: PreTrainedModel, start: int, batch_size: int) -> TaskFeatures:
+    """`features` with `model`'s hidden states entering layer `start` (its layer start−1's output) on every row."""
+    if start == 0:
+        return features
+    device = next(model.parameters()).device
+    chunks = []
+    for first in range(0, len(features), batch_size):
+        index = torch.arange(first, min(first + batch_size, len(features)))
+        with capture_hidden(model, [start - 1]) as hidden:
+            model.get_decoder()(input_ids=features.input_ids[index].to(device),
+                                attention_mask=features.attention_mask[index].to(device))
+        chunks.append(hidden[start - 1].float().cpu())
+    return replace(features, start_layer=start, start_hidden=torch.cat(chunks))
 
 
 def features_only(layers: Sequence[LayerKey]) -> bool:
     """With surgery only at the final representation, training never needs the merged model again."""
     return list(layers) == ["final"]
+
+
+def first_decoder_layer(layers: Sequence[LayerKey]) -> int:
+    """The lowest corrected decoder layer (training runs the model from there); 0 with none."""
+    return min((k for k in layers if isinstance(k, int)), default=0)
 
 
 def _pad_cat(chunks: list[torch.Tensor], length: int) -> torch.Tensor:

@@ -66,7 +66,7 @@ def calibrate_stage(
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
         merged_for_features = merged if features_only(settings.layers) else None
         features.append(
-            collect_features(task, index, data, expert, merged_for_features, settings.layers, settings.batch_size)
+            collect_features(task, index, data, expert, merged_for_features, settings.loss_layers(), settings.batch_size)
         )
         del expert
         gc.collect()

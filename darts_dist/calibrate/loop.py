@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from darts_dist.calibrate.features import TaskFeatures, features_only
+from darts_dist.calibrate.features import TaskFeatures, features_only, first_decoder_layer, with_start_hidden
 from darts_dist.config import CalibrationSection
 from darts_dist.core import (
     CorrectionSpec,
@@ -23,6 +23,7 @@ from darts_dist.core import (
     attach_corrections,
     entropy_weights,
     one_hot_tasks,
+    run_from,
     weighted_l1_loss,
 )
 
@@ -58,11 +59,13 @@ def calibration_loss(
     merged_model: PreTrainedModel | None = None,
     handle=None,
 ) -> torch.Tensor:
-    """The entropy-weighted L1 loss of one task's minibatch, summed over surgery layers.
+    """The entropy-weighted L1 loss of one task's minibatch, summed over the layers it has targets at
+    (`CalibrationSection.loss_layers`: every surgery layer, or the last one).
 
     In feature mode the final correction is applied to the stored h^m; otherwise the merged
     model runs with the corrections hooked in (`handle`, record=True) so gradients flow
-    through the frozen layers between surgery layers.
+    through the frozen layers between surgery layers, from the lowest corrected layer on when the
+    rows carry the hidden states entering it (`start_hidden`).
     """
     mask = rows["attention_mask"]
     weight_mask = rows["response_mask"] if weight_on == "response" else None
@@ -76,10 +79,13 @@ def calibration_loss(
     else:
         device = next(merged_model.parameters()).device
         handle.set_task_weights(task_weights.to(device))
-        merged_model.model(input_ids=rows["input_ids"].to(device), attention_mask=mask.to(device))
-        corrected = {k: handle.outputs[k] for k in corrections.layer_keys}
+        start_hidden = rows.get("start_hidden")
+        start = first_decoder_layer(corrections.layer_keys)
+        with run_from(merged_model, start, None if start_hidden is None else start_hidden.to(device)):
+            merged_model.model(input_ids=rows["input_ids"].to(device), attention_mask=mask.to(device))
+        corrected = {k: handle.outputs[k] for k in targets}
     loss = torch.zeros((), device=weights.device)
-    for k in corrections.layer_keys:
+    for k in targets:
         target = targets[k].to(corrected[k].device)
         loss = loss + weighted_l1_loss(corrected[k].float(), target, mask.to(target.device), weights.to(target.device))
     return loss
@@ -171,6 +177,9 @@ def train_corrections(
     tasks = [task.task for task in features]
     corrections = build_corrections(tasks, merged_model.config.hidden_size, settings)
     corrections = corrections.to(next(merged_model.parameters()).device)
+    if not features_only(settings.layers):
+        start = first_decoder_layer(corrections.layer_keys)
+        features = [with_start_hidden(task, merged_model, start, settings.batch_size) for task in features]
     return calibrate_in_process(
         features, corrections, settings, merged_model=None if features_only(settings.layers) else merged_model,
         progress=progress, on_step=on_step,

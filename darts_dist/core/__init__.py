@@ -1,6 +1,7 @@
-"""The DARTS math in plain torch: correction, loss, hooks into a causal LM, metrics, batching, router, file format."""
+"""The DARTS math in plain torch: correction, learned merge coefficients, loss, hooks into a causal LM, metrics, batching, router, file format."""
 
 from darts_dist.core.batching import TokenizedSet, mask_positions, pad_rows, token_batch
+from darts_dist.core.coefficients import LayerwiseMerge, TaskVectors, layer_group, layer_prefix
 from darts_dist.core.correction import (
     Correction,
     CorrectionSpec,
@@ -14,6 +15,9 @@ from darts_dist.core.hooks import (
     CorrectionHandle,
     attach_corrections,
     capture_hidden,
+    decoder_layers,
+    fed_inputs,
+    run_from,
     surgery_module,
     token_positions,
 )
@@ -40,13 +44,19 @@ __all__ = [
     "CorrectionSpec",
     "DartsCorrections",
     "LayerKey",
+    "LayerwiseMerge",
     "Routing",
     "TaskRouter",
+    "TaskVectors",
     "TokenizedSet",
     "attach_corrections",
     "capture_hidden",
+    "decoder_layers",
     "entropy_weights",
     "expected_parameter_count",
+    "fed_inputs",
+    "layer_group",
+    "layer_prefix",
     "load_corrections",
     "mask_positions",
     "next_token_entropy",
@@ -55,6 +65,7 @@ __all__ = [
     "parse_layer",
     "pool_prompts",
     "read_header",
+    "run_from",
     "save_corrections",
     "surgery_module",
     "token_batch",

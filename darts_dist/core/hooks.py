@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -215,6 +215,82 @@ def capture_hidden(model: nn.Module, layers: Sequence[str | int]) -> Iterator[di
     hooks = [surgery_module(model, k).register_forward_hook(store(k)) for k in keys]
     try:
         yield captured
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+class _Skipped(nn.Module):
+    """A decoder layer below the first one that must run: it hands on what it gets."""
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return hidden_states
+
+
+class _Given(nn.Module):
+    """The last skipped layer: its output is the hidden state computed once before (`hidden`)."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if self.hidden.shape != hidden_states.shape:
+            raise ValueError(f"the given hidden states are {list(self.hidden.shape)}, the forward's "
+                             f"{list(hidden_states.shape)}: give them for the same rows and length")
+        return self.hidden.to(hidden_states.dtype)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder's list of layers."""
+    layers = _find(_decoder(model), _LAYER_LISTS, nn.ModuleList)
+    if layers is None:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: looked for {_LAYER_LISTS}")
+    return layers
+
+
+@contextmanager
+def run_from(model: nn.Module, start: int, hidden: Tensor | None) -> Iterator[None]:
+    """Inside the block a forward runs decoder layers `start`… only: layer start−1 returns `hidden`
+    (its output, computed once before, [B, S, d]) and the layers below it return their input at no cost.
+
+    Training whose trainable parts all sit at or above layer `start` (corrections, merge coefficients)
+    needs nothing below it recomputed at every step. Decoder layers here return their hidden states as
+    a tensor (transformers 5). start = 0 (or hidden None) changes nothing.
+    """
+    if start == 0 or hidden is None:
+        yield
+        return
+    layers = decoder_layers(model)
+    kept = [layers[i] for i in range(start)]
+    for i in range(start - 1):
+        layers[i] = _Skipped()
+    layers[start - 1] = _Given(hidden)
+    try:
+        yield
+    finally:
+        for i, layer in enumerate(kept):
+            layers[i] = layer
+
+
+@contextmanager
+def fed_inputs(model: nn.Module, inputs: Mapping[str | int, Tensor]) -> Iterator[None]:
+    """Inside the block each surgery module `key` of `inputs` (a decoder layer, or "final": the final norm)
+    takes inputs[key] as its input hidden states, whatever the layer below it computed: teacher forcing,
+    so that each layer is judged on the input a reference model gave it."""
+
+    def feed(key: str | int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+            given = inputs[key]
+            if args:
+                return (given.to(args[0].dtype), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": given.to(kwargs["hidden_states"].dtype)}
+
+        return hook
+
+    hooks = [surgery_module(model, key).register_forward_pre_hook(feed(key), with_kwargs=True) for key in inputs]
+    try:
+        yield
     finally:
         for hook in hooks:
             hook.remove()

@@ -153,16 +153,20 @@ class Evaluator:
             passes = self._passes(lm, None, side, "merged")
         return MergedSide(passes=passes, **outputs)
 
+    def _judged(self, ref: Reference, plain: Outputs, merged: PreTrainedModel, candidate: PreTrainedModel,
+                corrections: DartsCorrections | None, index: int) -> Outputs:
+        """The candidate's outputs on one batch, under task `index`'s correction where there are corrections."""
+        own = plain if candidate is merged else merged_outputs(candidate, ref, self.layer)
+        return own if corrections is None else corrected_outputs(candidate, ref, own, corrections, index, self.layer)
+
     def _tally(
         self, refs: Sequence[Reference], plains: Sequence[Outputs], merged: PreTrainedModel,
-        corrections: DartsCorrections | None, side: ExpertSide,
+        candidate: PreTrainedModel, corrections: DartsCorrections | None, side: ExpertSide,
     ) -> dict[str, object]:
-        """The results on one set; without corrections the 'corrected' model is the merged one."""
+        """The results on one set; without corrections and candidate the 'corrected' model is the merged one."""
         tally = TaskTally()
         for ref, plain in zip(refs, plains):
-            fixed = plain if corrections is None else corrected_outputs(merged, ref, plain, corrections, side.index,
-                                                                        self.layer)
-            tally.add(ref, plain, fixed)
+            tally.add(ref, plain, self._judged(ref, plain, merged, candidate, corrections, side.index))
         return tally.result(side.task, self.layer)
 
     def evaluate(
@@ -172,30 +176,35 @@ class Evaluator:
         sides: Iterable[tuple[ExpertSide, MergedSide]],
         split: str = "heldout",
         router: TaskRouter | None = None,
+        candidate: PreTrainedModel | None = None,
     ) -> dict[str, object]:
         """{"overall", "tasks"} of the merged model under `corrections` (None: the merged model is its own
         'corrected' one) on the held-out or validation split; held-out adds task scores, and with a router the
         routed model's (the task left to the router, as for served requests to the routed model id).
 
-        `sides` may be a generator: each task's passes are then held only while that task is judged.
+        `candidate`: the model the corrections apply to, judged against the merged one (a learned merge); by
+        default the merged model itself. `sides` may be a generator: each task's passes are then held only while
+        that task is judged.
         """
+        candidate = merged if candidate is None else candidate
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         tasks, scored = {}, {}
         for side, plain in sides:
-            result = self._tally(getattr(side, split), getattr(plain, split), merged, corrections, side)
+            result = self._tally(getattr(side, split), getattr(plain, split), merged, candidate, corrections, side)
             if split == "heldout" and side.scorer is not None and side.problems:
                 corrected, routed = plain.passes, None  # without corrections, the merged model is the 'corrected' one
-                if corrections is not None:
-                    with CorrectedLM(merged, self.tokenizer, corrections, router) as lm:
-                        corrected = self._passes(lm, side.task, side, "corrected")
-                        if router is not None:
+                if corrections is not None or candidate is not merged:
+                    with CorrectedLM(candidate, self.tokenizer, corrections, router) as lm:
+                        corrected = self._passes(lm, None if corrections is None else side.task, side, "corrected")
+                        if router is not None and corrections is not None:
                             routed = routed_passes(lm, side.task, side.problems, side.scorer, self.config.evaluation,
                                                    corrected, f"routed answers {side.task}", self.progress)
                 scored[side.task] = {"base": side.base_passes, "expert": side.passes, "merged": plain.passes,
                                      "corrected": corrected, "routed": routed}
                 result |= score_fields(side.scorer, scored[side.task])
                 if side.canonical:
-                    result |= canonical_fields(self._tally(side.canonical, plain.canonical, merged, corrections, side))
+                    result |= canonical_fields(self._tally(side.canonical, plain.canonical, merged, candidate,
+                                                           corrections, side))
             tasks[side.task] = result
         return {"overall": overall(tasks) | overall_score_fields(scored), "tasks": tasks}

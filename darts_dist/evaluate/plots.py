@@ -105,3 +105,16 @@ def plot_task_scores(tasks: Mapping[str, Mapping[str, object]], path: Path) -> P
     ax.set_ylim(0, 100)
     ax.legend(fontsize="small", ncols=len(models), loc="upper center", bbox_to_anchor=(0.5, -0.18))
     return _save(fig, path)
+
+
+def plot_coefficients(table: Mapping[str, Mapping[str, float]], path: Path) -> Path:
+    """The learned merge coefficients: one line per expert over the layer groups (decoder layers, then "other")."""
+    groups = list(table)
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for expert in next(iter(table.values())):
+        ax.plot(range(len(groups)), [table[g][expert] for g in groups], marker="o", markersize=3, label=expert)
+    ax.set_xticks(range(len(groups)), groups, fontsize=6, rotation=90)
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("task-arithmetic coefficient")
+    ax.legend()
+    return _save(fig, path)

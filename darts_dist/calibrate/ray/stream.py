@@ -4,7 +4,7 @@ A row is one calibration sample, cut to its real length: `task`, `row` (its inde
 calibration set, so that "every row exactly once" can be checked), `node` (the Ray node of the
 expert actor that made it), `input_ids`,
 `attention_mask`, `response_mask`, `entropy` (H_t, fp32: one scalar per token) and
-`target.<layer>` (h^k at each surgery layer). Hidden states travel in the expert's compute
+`target.<layer>` (h^k at each layer the loss reads: `CalibrationSection.loss_layers`). Hidden states travel in the expert's compute
 dtype: fp32 on CPU, fp16 or bf16 on GPU (bf16, which numpy lacks, as its raw 16 bits).
 
 Imports stay light at the top: Ray Data and Ray Train unpickle `ExpertStream` and `ExactlyOnceSplit`
@@ -159,7 +159,7 @@ def expert_stream(
         ExpertStream,
         fn_constructor_kwargs={
             "model_path": str(model_path),
-            "layers": list(settings.layers),
+            "layers": settings.loss_layers(),
             "dtype": settings.dtype,
             "device": settings.device,
             "fail_after_batches": fail_after_batches,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from darts_dist.calibrate.features import TaskFeatures, features_only, merged_hidden
+from darts_dist.calibrate.features import TaskFeatures, features_only, first_decoder_layer, merged_hidden
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
 from darts_dist.calibrate.ray.feature_store import FeatureStore
 from darts_dist.calibrate.ray.stream import TOKEN_FIELDS, arrivals, from_wire, target_column
@@ -49,6 +49,9 @@ def rows_file(rank: int) -> str:
 
 def merged_column(layer: object) -> str:
     return f"merged.{layer}"
+
+
+START_COLUMN = "merged.start"  # through the model: the merged hidden states entering the lowest corrected layer
 
 
 class CalibrationModule(nn.Module):
@@ -167,10 +170,13 @@ def drain(
     """Keep this worker's rows of every task in `store`; returns the bytes of hidden states received.
     `expert_nodes` gets, per task, the nodes its expert actors ran on.
 
-    In feature mode the merged model runs here once per row, so training steps need no model at all.
+    In feature mode the merged model runs here once per row, so training steps need no model at all; through
+    the model, it runs once up to the lowest corrected layer, whose input each row keeps (`start_column`), so
+    steps run the layers from there on (not under ZeRO-3, whose weight gathering follows the module order).
     """
     device = next(module.corrections.parameters()).device
     with_merged = features_only(settings.layers)
+    start = 0 if lockstep else first_decoder_layer(settings.layers)
     if lockstep and with_merged:
         batches = in_lockstep(batches, device)
     received = rows = 0
@@ -182,17 +188,17 @@ def drain(
             continue
         task, batch = item
         merged = {}
-        if with_merged:
+        if with_merged or start:
             ids, mask = (pad_rows(batch[name]).to(device) for name in ("input_ids", "attention_mask"))
-            merged = merged_hidden(module.merged, ids, mask, settings.layers)
+            merged = merged_hidden(module.merged, ids, mask, settings.layers if with_merged else [start - 1])
         for i, row in enumerate(batch["row"]):
             length = len(batch["input_ids"][i])
             arrays = {name: batch[name][i] for name in (*TOKEN_FIELDS, "entropy")}
-            for layer in settings.layers:
+            for layer in settings.loss_layers():
                 received += batch[target_column(layer)][i].nbytes
                 arrays[target_column(layer)] = from_wire(batch[target_column(layer)][i])
             for layer, hidden in merged.items():
-                arrays[merged_column(layer)] = hidden[i, :length].cpu().numpy()
+                arrays[merged_column(layer) if with_merged else START_COLUMN] = hidden[i, :length].cpu().numpy()
             store.add(task, int(row), arrays)
         rows += len(batch["row"])
         expert_nodes.setdefault(task, set()).update(batch["node"])
@@ -213,8 +219,10 @@ def task_features(store: FeatureStore, task: str, index: int, settings: Calibrat
         response_mask=arrays["response_mask"],
         positions=mask_positions(mask),
         entropy=arrays["entropy"],
-        targets={layer: arrays[target_column(layer)] for layer in settings.layers},
+        targets={layer: arrays[target_column(layer)] for layer in settings.loss_layers()},
         merged={layer: arrays[merged_column(layer)] for layer in settings.layers if merged_column(layer) in arrays},
+        start_layer=first_decoder_layer(settings.layers) if START_COLUMN in arrays else 0,
+        start_hidden=arrays.get(START_COLUMN),
     )
 
 
