@@ -289,6 +289,8 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     sources = resolve_sources(config)
     config = with_concrete_layers(config, sources)
     settings = config.calibration
+    # The variants again, from the concrete layers (the plan's may name layer sets).
+    plan = replace(plan, config=config, variants={name: make(settings) for name, make in VARIANTS.items()})
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), progress)
     ctx = Context(config, sources, evaluator, device, model_dtype(settings.dtype, device), progress)
     deep_layers, vectors = None, None
@@ -424,7 +426,7 @@ def _coefficient_variants(
         folder = config.run_dir / "ablation" / "learned-merge" / f"seed{seed}"
         learned_dir = learned_merge(config, ctx.sources.base, ctx.sources.experts, fit, folder)
         learned = load_causal_lm(learned_dir, dtype=ctx.dtype, device=ctx.device)
-        coefficients = {"learned_merge": str(learned_dir), "table": fit.merge.table(),
+        coefficients = {"learned_merge": str(learned_dir), "table": fit.table(),
                         "first_loss": fit.losses[0], "final_loss": fit.losses[-1], "fit_seconds": fit.seconds}
         alone.append({"coefficients": coefficients, "calibration": None,
                       **ctx.evaluator.evaluate(merged, None, sides.pairs, candidate=learned)})
@@ -432,7 +434,8 @@ def _coefficient_variants(
                                                      config.calibration.batch_size, ctx.progress))
                     for f, side in zip(sides.features, experts)]
         result = train_corrections(variant_features(features, seeded), seeded, learned, progress=ctx.progress)
-        path = save_corrections_for(folder / "darts.safetensors", result.corrections, learned_dir)
+        # Beside the learned merge's folder, not in it: its content hash covers every safetensors file in it.
+        path = save_corrections_for(folder.parent / f"seed{seed}-darts.safetensors", result.corrections, learned_dir)
         corrected.append({"coefficients": coefficients, "corrections": str(path),
                           "calibration": {"first_loss": result.losses[0], "final_loss": result.losses[-1],
                                           "train_seconds": result.seconds},

@@ -185,7 +185,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
     config = command_config(args.config, args)
     corrections = args.corrections or config.run_dir / CORRECTIONS_FILE
-    if not corrections.is_file():
+    if config.calibration.method == "merge_coefficients" and not corrections.is_file():
+        corrections = None  # the learned merge alone, judged against the run's merge
+    elif not corrections.is_file():
         raise DartsError(f"no corrections at {corrections}",
                          f"run `darts-dist calibrate {args.config}` first, or pass --corrections PATH")
     with _session(config.tracking, config.name, "evaluate") as tracking:

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 PositiveInt = Annotated[int, Field(gt=0)]
 # A surgery layer: a decoder layer's index or "final" (the final norm's output); in a config also a set of
 # layers, made concrete once the model is known (calibrate.layers): "all" decoder layers, "every:N" (layers
-# N−1, 2N−1, …, up to the top one), "changed" (the decoder layers some expert's weights differ from the base's in).
+# N−1, 2N−1, … below the layer count), "changed" (the decoder layers some expert's weights differ from the base's in).
 Layer = int | Annotated[str, Field(pattern=r"^(final|all|changed|every:[1-9][0-9]*)$")]
 # What a run folder (OUTPUT_DIR/NAME) holds, by name; the router's file is core.ROUTER_FILE.
 RUN_CONFIG_FILE = "config.yaml"  # the validated config that made the run

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from darts_dist.calibrate.coefficients import COEFFICIENTS_FILE, coefficient_stage
+from darts_dist.calibrate.coefficients import COEFFICIENTS_FILE, fit_in_process, learned_merge
 from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.calibrate.in_process import CalibrationOutcome, calibrate_stage
 from darts_dist.calibrate.layers import with_concrete_layers
-from darts_dist.calibrate.ray.job import calibrate_distributed
+from darts_dist.calibrate.ray.job import calibrate_distributed, fit_coefficients_distributed
 from darts_dist.calibrate.ray.placement import placement_tags
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import RUN_CONFIG_FILE, RunConfig
@@ -209,21 +209,31 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
 CALIBRATION_PLOTS = ("loss", "entropy_weights")  # the calibration run's PNGs, by their name in the report
 
 
+def _device_label(config: RunConfig) -> str:
+    # On Ray the device is decided inside each worker: a GPU when the cluster gives it one.
+    if config.cluster.executor == "ray":
+        return "cuda" if config.cluster.use_gpu else "cpu"
+    return str(resolve_device(config.calibration.device))
+
+
 def run_coefficients(state: RunState) -> Path:
     """Fit the merge coefficients (calibration.method merge_coefficients[+darts]) and write the learned merge;
     tracked, in a `coefficients` stage run: the loss per step, the coefficients, their plot, the mergekit YAML."""
     config, tracking = state.config, state.tracking
+    executor = config.cluster.executor
     run_id = on_step = None
     if tracking is not None:
-        run_id = tracking.start_stage("coefficients", system_tags(config, str(resolve_device(config.calibration.device)),
-                                                                  executor="in-process"))
+        run_id = tracking.start_stage("coefficients", system_tags(config, _device_label(config), executor=executor))
         on_step = tracking.step_logger(run_id)
     with state.timed("coefficients"):
-        learned, fit = coefficient_stage(config, state.sources, on_step=on_step)
-    plot = plot_coefficients(fit.merge.table(), config.run_dir / "plots" / "coefficients.png")
-    state.report["coefficients"] = {"learned_merge": str(learned), "table": fit.merge.table(),
+        fit = (fit_coefficients_distributed if executor == "ray" else fit_in_process)(config, state.sources,
+                                                                                       on_step=on_step)
+        logger.info("merge coefficients: loss %.4f -> %.4f in %.1f s", fit.losses[0], fit.losses[-1], fit.seconds)
+        learned = learned_merge(config, state.sources.base, state.sources.experts, fit, config.model_dir)
+    plot = plot_coefficients(fit.table(), config.run_dir / "plots" / "coefficients.png")
+    state.report["coefficients"] = {"learned_merge": str(learned), "table": fit.table(),
                                     "first_loss": fit.losses[0], "final_loss": fit.losses[-1],
-                                    "seconds": fit.seconds, "task_vector_bytes": fit.merge.vectors.nbytes()}
+                                    "seconds": fit.seconds, "task_vector_bytes": fit.task_vector_bytes}
     state.report["plots"]["coefficients"] = str(plot)
     if tracking is not None:
         on_step.flush()
@@ -249,10 +259,7 @@ def run_calibration(state: RunState) -> Path | None:
     executor = config.cluster.executor
     run_id = on_step = None
     if tracking is not None:
-        # On Ray the device is decided inside each worker: a GPU when the cluster gives it one.
-        device = ("cuda" if config.cluster.use_gpu else "cpu") if executor == "ray" else str(
-            resolve_device(config.calibration.device))
-        run_id = tracking.start_stage("calibration", system_tags(config, device, executor=executor))
+        run_id = tracking.start_stage("calibration", system_tags(config, _device_label(config), executor=executor))
         on_step = tracking.step_logger(run_id)
     calibrate = calibrate_distributed if executor == "ray" else calibrate_stage
     with state.timed("calibration"):
@@ -323,14 +330,19 @@ def _track_evaluation(tracking: Tracking, run_id: str, evaluation: dict, plots: 
 
 def complete_tracking(tracking: Tracking, report: dict) -> None:
     """Log what a run could not while its MLflow store was down, from its report: the per-step losses
-    the store missed, the calibration's results and the evaluation; then mark its runs finished."""
+    the store missed, the calibration's results and the evaluation; then mark its runs finished. A run of
+    merge coefficients alone has no calibration: its evaluation goes to its coefficients run."""
     config = RunConfig.model_validate(report["config"])
-    run_id = tracking.stages.get("calibration") or tracking.start_stage(
-        "calibration", system_tags(config, "unknown", executor=report["calibration"]["executor"]))
-    logged = {m.step for m in tracking.client.get_metric_history(run_id, "loss")}
-    tracking.log_points(run_id, [("loss", loss, step) for step, loss in enumerate(report["calibration"]["losses"], 1)
-                                 if step not in logged])
-    track_calibration(tracking, run_id, config, report)
+    if "calibration" in report:
+        run_id = tracking.stages.get("calibration") or tracking.start_stage(
+            "calibration", system_tags(config, "unknown", executor=report["calibration"]["executor"]))
+        logged = {m.step for m in tracking.client.get_metric_history(run_id, "loss")}
+        tracking.log_points(run_id, [("loss", loss, step)
+                                     for step, loss in enumerate(report["calibration"]["losses"], 1) if step not in logged])
+        track_calibration(tracking, run_id, config, report)
+    else:
+        run_id = tracking.stages.get("coefficients") or tracking.start_stage(
+            "coefficients", system_tags(config, "unknown", executor=config.cluster.executor))
     if "variants" in report:
         _track_evaluation(tracking, run_id, report["variants"]["darts"],
                           {name: Path(report["plots"][name]) for name in EVALUATION_PLOTS if name in report["plots"]})

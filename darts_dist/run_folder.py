@@ -1,5 +1,6 @@
-"""What a run folder holds, found by the names the run wrote: `merged/` (or the config's merge.output),
-corrections.safetensors, router.safetensors and the config. Serving and lm-eval read run folders alike."""
+"""What a run folder holds, found by the names the run wrote: `merged/` (or the config's merge.output, or the
+`learned-merge/` of a run that fitted merge coefficients), corrections.safetensors, router.safetensors and the
+config. Serving and lm-eval read run folders alike."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from darts_dist.config import CORRECTIONS_FILE, MERGED_FOLDER, RUN_CONFIG_FILE, RunConfig, load_config, parse_config
+from darts_dist.config import CORRECTIONS_FILE, LEARNED_FOLDER, MERGED_FOLDER, RUN_CONFIG_FILE, RunConfig, load_config, parse_config
 from darts_dist.core import ROUTER_FILE
 from darts_dist.errors import DartsError
 
@@ -38,7 +39,9 @@ def read_run_folder(folder: Path, corrections: Path | None = None, router: Path 
     when it holds no merged model."""
     config = run_config(folder)
     merged = folder / MERGED_FOLDER
-    if not merged.is_dir() and config is not None and config.merge.output is not None:
+    if (folder / LEARNED_FOLDER).is_dir() and (config is None or config.calibration.method != "darts"):
+        merged = folder / LEARNED_FOLDER  # the model its corrections belong to
+    elif not merged.is_dir() and config is not None and config.merge.output is not None:
         merged = config.merge.output
     if not (merged / "config.json").is_file():
         raise DartsError(f"{folder} is neither a model folder (config.json) nor a run folder ({MERGED_FOLDER}/ "

@@ -27,10 +27,11 @@ from darts_dist.calibrate.layers import concrete_layers, with_concrete_layers
 from darts_dist.calibrate.loop import build_corrections, train_corrections
 from darts_dist.cli import main
 from darts_dist.config import CalibrationSection, parse_config
-from darts_dist.core import TokenizedSet, attach_corrections, capture_hidden, run_from
+from darts_dist.core import LayerwiseMerge, TokenizedSet, attach_corrections, capture_hidden, run_from
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
 from darts_dist.merge import run_merge
+from darts_dist.run_folder import read_run_folder
 from darts_dist.sources.models import load_causal_lm
 
 
@@ -70,11 +71,21 @@ def fit(experts: dict[str, Path], base: Path, layers: list, init: float, steps: 
 def test_one_expert_of_a_known_task_vector_is_found_from_a_wrong_start(tiny_family) -> None:
     vectors, result = fit({"code": tiny_family.experts["code"]}, tiny_family.base, [2, 3, "final"], init=0.2)
     assert vectors.changed_layers() == [2, 3]
-    table = result.merge.table()
+    table = result.table()
     for group in ("2", "3", "other"):  # the expert itself: base + 1 · its task vector
         assert table[group]["code"] == pytest.approx(1.0, abs=0.02)
     assert table["0"]["code"] == table["1"]["code"] == pytest.approx(0.2)  # no task vector there: never moved
     assert result.losses[-1] < 0.02 * result.losses[0]
+
+
+def test_aligning_the_final_state_alone_fits_only_what_lies_past_the_layers(tiny_family) -> None:
+    # The final norm runs on the expert's own last-layer output: only the tensors outside the layers (here the
+    # norm the tiny experts changed) act there, and the changed layers below never run.
+    _, result = fit({"code": tiny_family.experts["code"]}, tiny_family.base, ["final"], init=0.2, steps=80)
+    table = result.table()
+    assert result.owned == {"code": ["final"]}
+    assert table["other"]["code"] == pytest.approx(1.0, abs=0.02)
+    assert table["2"]["code"] == table["3"]["code"] == pytest.approx(0.2)
 
 
 def test_experts_of_disjoint_layers_each_get_their_own_layer(tiny_family, tmp_path: Path) -> None:
@@ -84,7 +95,7 @@ def test_experts_of_disjoint_layers_each_get_their_own_layer(tiny_family, tmp_pa
                                    tmp_path / "math")}
     vectors, result = fit(experts, tiny_family.base, [2, 3], init=0.5)
     assert result.owned == {"code": [2], "math": [3]}
-    table = result.merge.table()
+    table = result.table()
     assert table["2"]["code"] == pytest.approx(1.0, abs=0.02)
     assert table["3"]["math"] == pytest.approx(1.0, abs=0.02)
 
@@ -92,13 +103,15 @@ def test_experts_of_disjoint_layers_each_get_their_own_layer(tiny_family, tmp_pa
 def test_the_mergekit_yaml_alone_reproduces_the_learned_merge(tiny_family, tmp_path: Path) -> None:
     experts = {t: tiny_family.experts[t] for t in ("code", "math")}
     vectors, result = fit(experts, tiny_family.base, [2, 3, "final"], init=0.3, steps=20)
-    config = layerwise_mergekit_config(tiny_family.base, experts, result.merge, "float32")
+    config = layerwise_mergekit_config(tiny_family.base, experts, result, "float32")
     assert config["merge_method"] == "task_arithmetic"
     written = tmp_path / "learned.yml"
     written.write_text(yaml.safe_dump(config))
     # mergekit's own reading of the YAML, as `mergekit-yaml learned.yml OUT` would.
     merged = weights(run_merge(yaml.safe_load(written.read_text()), tmp_path / "out"))
-    ours, base = result.merge.tensors(), weights(tiny_family.base)
+    merge = LayerwiseMerge(vectors, [0.0, 0.0])
+    merge.coefficients.data.copy_(result.coefficients)
+    ours, base = merge(), weights(tiny_family.base)
     assert set(ours) < set(merged)
     difference = max(float((merged[name] - (ours[name].detach() if name in ours else base[name])).abs().max())
                      for name in merged)
@@ -235,3 +248,4 @@ def test_learned_merge_with_deep_corrections_registers_loads_through_pyfunc(tiny
     own = CorrectedLM.load(learned, run_dir / "corrections.safetensors").generate(["def add(a, b):"], ["code"],
                                                                                   max_new_tokens=6)[0]
     assert out.to_dict(orient="records")[0]["text"] == own.text
+    assert read_run_folder(run_dir).merged_dir == learned  # what `darts-dist serve RUN_DIR` serves

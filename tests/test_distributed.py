@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from darts_dist.calibrate.coefficients import fit_in_process
 from darts_dist.calibrate.corrections import corrections_metadata
 from darts_dist.calibrate.in_process import calibrate_stage
 from darts_dist.calibrate.ray.job import (
@@ -20,6 +21,7 @@ from darts_dist.calibrate.ray.job import (
     FAIL_WORKER_AT_STEP,
     JobResult,
     calibrate_distributed,
+    fit_coefficients_distributed,
     job_plan,
     run_calibration_job,
 )
@@ -235,3 +237,19 @@ def test_every_experts_stream_is_pulled_at_once() -> None:
     assert sorted((task, batch["row"][0]) for task, batch in got) == [("a", 0), ("a", 1), ("b", 2), ("b", 3)]
     with pytest.raises(RuntimeError, match="stream lost"):
         list(arrivals({"a": FakeShard([{"row": [0]}], fail=True), "b": FakeShard([])}, batch_size=1))
+
+
+def test_the_coefficients_fit_on_a_zero3_worker_equals_the_in_process_fit(ray_cluster, tiny_family, tmp_path) -> None:
+    """Merge coefficients on the expert stream: a DeepSpeed ZeRO-3 worker (task vectors partitioned) steps them
+    exactly as the in-process fit does, on the same rows."""
+    config = make_config(tiny_family, tmp_path, cluster={"zero_stage": 3}, calibration={
+        "method": "merge_coefficients", "coefficients": {"layers": [2, 3, "final"], "steps": 12,
+                                                         "learning_rate": 0.05}})
+    sources = resolve_sources(config)
+    on_ray = fit_coefficients_distributed(config, sources)
+    own = fit_in_process(config, sources, progress=False)
+    assert on_ray.owned == own.owned == {"code": [2, 3, "final"], "math": [2, 3, "final"]}
+    assert on_ray.changed == own.changed and on_ray.task_vector_bytes == own.task_vector_bytes
+    assert on_ray.losses == pytest.approx(own.losses, rel=1e-4)
+    assert torch.allclose(on_ray.coefficients, own.coefficients, atol=1e-5)
+    assert (own.coefficients[2] - 1.0).abs().max() > 0.05  # the fit moved them from the start (1.0 each)

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
 from torch.func import functional_call
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
@@ -37,8 +39,11 @@ from darts_dist.core import (
     LayerwiseMerge,
     TaskVectors,
     capture_hidden,
+    coefficient_table,
+    decoder_layers,
     entropy_weights,
     fed_inputs,
+    layer_group,
     layer_prefix,
     run_from,
     weighted_l1_loss,
@@ -51,6 +56,7 @@ from darts_dist.sources.references import ResolvedSources
 
 logger = logging.getLogger(__name__)
 COEFFICIENTS_FILE = "coefficients.json"  # in the learned merge's folder: the table and the fit's losses
+CHECKPOINT_COEFFICIENTS = "coefficients.safetensors"  # a Ray job's checkpoint of c [L + 1, K] (rank 0)
 
 
 def _tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,14 +84,40 @@ def read_task_vectors(base_dir: Path, experts: Mapping[str, Path]) -> TaskVector
                        read_model_info(base_dir).num_layers)
 
 
+def changed_layers(base_dir: Path, experts: Mapping[str, Path]) -> list[int]:
+    """The decoder layers some expert's weights differ from the base's in, compared tensor by tensor (nothing
+    kept but the indices: cheap in memory for any model size)."""
+    num_layers = read_model_info(base_dir).num_layers
+    base_files = sorted(Path(base_dir).glob("*.safetensors"))
+    where = {}
+    for file in base_files:
+        with safe_open(str(file), framework="pt") as weights:
+            where.update({name: file for name in weights.keys()})
+    changed: set[int] = set()
+    for folder in experts.values():
+        for name, value in _tensors(folder):
+            group = layer_group(name, num_layers)
+            if group in changed or group == num_layers or name not in where:
+                continue
+            with safe_open(str(where[name]), framework="pt") as weights:
+                if not torch.equal(weights.get_tensor(name), value):
+                    changed.add(group)
+    return sorted(changed)
+
+
 def initial_coefficients(config: RunConfig) -> list[float]:
-    """Where the fit starts: coefficients.init, else the run's task-arithmetic weights, else 1/K."""
+    """Where the fit starts: coefficients.init, else the run's task-arithmetic weights (plain ones: one number per
+    expert, no normalize or lambda), else 1/K."""
     tasks, init = config.tasks, config.calibration.coefficients.init
     if init is not None:
         return [init] * len(tasks)
-    if config.merge.method == "task_arithmetic" and config.merge.mergekit_yaml is None:
-        shared = config.merge.parameters.get("weight", 1.0)
-        return [float(e.merge_parameters.get("weight", shared)) for e in config.sources.experts]
+    merge = config.merge
+    plain = not merge.parameters.get("normalize", False) and merge.parameters.get("lambda", 1.0) == 1.0
+    if merge.method == "task_arithmetic" and merge.mergekit_yaml is None and plain:
+        shared = merge.parameters.get("weight", 1.0)
+        weights = [e.merge_parameters.get("weight", shared) for e in config.sources.experts]
+        if all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+            return [float(w) for w in weights]
     return [1.0 / len(tasks)] * len(tasks)
 
 
@@ -122,16 +154,15 @@ def owned_layers(vectors: TaskVectors, layers: Sequence[LayerKey]) -> dict[str, 
 
 
 def coefficient_loss(
-    model: PreTrainedModel, tensors: Mapping[str, torch.Tensor], vectors: TaskVectors, rows: Mapping[str, object],
-    expert: str, layers: Sequence[LayerKey], owned: Sequence[LayerKey], beta: float, weight_on: str,
-    logit_weight: float,
+    model: PreTrainedModel, tensors: Mapping[str, torch.Tensor], rows: Mapping[str, object], expert_index: int,
+    layers: Sequence[LayerKey], owned: Sequence[LayerKey], beta: float, weight_on: str, logit_weight: float,
 ) -> torch.Tensor:
-    """One task's minibatch, layer by layer: each aligned layer of θ(c) runs on the expert's own input to it
-    (teacher forcing, as in layer-wise distillation) and its output is pulled toward the expert's there, by the
-    entropy-weighted L1 of DARTS's loss, at the layers the expert owns; plus logit_weight × the mean
-    KL(expert ‖ merged) of the next-token distributions from the final states."""
+    """One task's minibatch, layer by layer: each aligned layer of θ(c) (`tensors`, the merge's forward) runs
+    on the expert's own input to it (teacher forcing, as in layer-wise distillation) and its output is pulled
+    toward the expert's there, by the entropy-weighted L1 of DARTS's loss, at the layers the expert owns; plus
+    logit_weight × the mean KL(expert ‖ merged) of the next-token distributions from the final states."""
     device = next(model.parameters()).device
-    num_layers = vectors.num_layers
+    num_layers = len(decoder_layers(model))
     mask = rows["attention_mask"].to(device)
     weights = entropy_weights(rows["entropy"].to(device), mask, beta,
                               rows["response_mask"].to(device) if weight_on == "response" else None)
@@ -141,7 +172,11 @@ def coefficient_loss(
               if input_layer(k, num_layers) is not None and k != start}
     decoder = model.get_decoder()
     prefix = next(name for name, module in model.named_modules() if module is decoder) + "."
-    inside = {name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)}
+    own = dict(decoder.named_parameters())
+    # Layers below `start` do not run (their output is the expert's input to it): their tensors stay out. Each
+    # θ(c) tensor takes the dtype of the weight it replaces (fp32 coefficients on a bf16 base; the cast keeps grad).
+    inside = {name.removeprefix(prefix): t.to(own[name.removeprefix(prefix)].dtype) for name, t in tensors.items()
+              if name.startswith(prefix) and "@" not in name and layer_group(name, num_layers) >= start}
     read = [*owned, *(["final"] if logit_weight and "final" not in owned else [])]
     with capture_hidden(model, read) as hidden, fed_inputs(model, inputs), \
             run_from(model, start, targets[start - 1] if start > 0 else None):
@@ -152,81 +187,120 @@ def coefficient_loss(
         loss = loss + weighted_l1_loss(hidden[k].float(), targets[k], mask, weights)
     if logit_weight:
         head = model.get_output_embeddings().weight
-        lm = _param_name(model, head)
+        lm = lm_head_name(model)
         merged_head = tensors.get(lm, head).float()
-        expert_head = head.float()
-        if lm in vectors.deltas:
-            expert_head = vectors.base[lm] + vectors.deltas[lm][vectors.experts.index(expert)]
+        expert_head = tensors.get(f"{lm}@{expert_index}", head).float()
         counted = mask.bool()
         merged_logp = F.log_softmax(F.linear(hidden["final"][counted].float(), merged_head), -1)
-        expert_logp = F.log_softmax(F.linear(targets["final"][counted], expert_head.to(device)), -1)
+        expert_logp = F.log_softmax(F.linear(targets["final"][counted].float(), expert_head), -1)
         loss = loss + logit_weight * F.kl_div(merged_logp, expert_logp, log_target=True, reduction="batchmean")
     return loss
 
 
+def lm_head_name(model: PreTrainedModel) -> str:
+    """The name of the LM head's weight among the model's parameters (the embeddings' when they are tied)."""
+    return _param_name(model, model.get_output_embeddings().weight)
+
+
+class CoefficientModule(nn.Module):
+    """The layer-wise merge and the frozen base as one module whose forward is one step's loss, Σ over tasks of
+    `coefficient_loss`: what the in-process fit and the Ray workers' DeepSpeed engine both train. The base is
+    kept outside the module's parameters (θ(c) replaces its changed tensors in each forward): DeepSpeed sees,
+    and ZeRO-3 partitions, only the merge's task vectors and coefficients."""
+
+    def __init__(self, base: PreTrainedModel, vectors: TaskVectors, init: Sequence[float],
+                 settings: CalibrationSection) -> None:
+        super().__init__()
+        coefficients = settings.coefficients
+        self.layers = list(coefficients.layers)
+        self.owned = owned_layers(vectors, self.layers)
+        if not any(self.owned.values()):
+            raise DartsError(f"no expert changed any of the aligned layers {self.layers}: the coefficients would "
+                             "not move", "align where the experts differ from the base: "
+                             "calibration.coefficients.layers: [changed, final]")
+        if coefficients.logit_weight and "final" not in self.layers:
+            raise DartsError("calibration.coefficients.logit_weight needs the experts' final hidden states",
+                             "add final to calibration.coefficients.layers, or set logit_weight to 0")
+        self.merge = LayerwiseMerge(vectors, init, [lm_head_name(base)] if coefficients.logit_weight else [])
+        self.settings = settings
+        object.__setattr__(self, "base", base)  # not a submodule: DeepSpeed must not wrap or partition it
+
+    def trained(self) -> list[nn.Parameter]:
+        return [self.merge.coefficients]
+
+    def save_trained(self, folder: Path) -> None:
+        save_file({"coefficients": self.merge.coefficients.detach().cpu().contiguous()},
+                  str(folder / CHECKPOINT_COEFFICIENTS))
+
+    def forward(self, minibatches: Sequence[tuple[str, Mapping[str, object]]]) -> torch.Tensor:
+        tensors = self.merge()
+        settings = self.settings
+        loss = torch.zeros((), device=self.merge.coefficients.device)
+        for task, rows in minibatches:
+            loss = loss + coefficient_loss(self.base, tensors, rows, self.merge.experts.index(task), self.layers,
+                                           self.owned[task], settings.beta_for(task), settings.weight_on_for(task),
+                                           settings.coefficients.logit_weight)
+        return loss
+
+
 @dataclass
 class CoefficientFit:
-    merge: LayerwiseMerge
+    coefficients: torch.Tensor  # c [L + 1, K]
+    experts: tuple[str, ...]
+    changed: tuple[str, ...]  # the tensors some expert changed: where the coefficients act
     losses: list[float]
     seconds: float
     layers: list[LayerKey]  # the aligned layers
     owned: dict[str, list[LayerKey]]
+    task_vector_bytes: int
+
+    def table(self) -> dict[str, dict[str, float]]:
+        return coefficient_table(self.coefficients, self.experts)
 
 
 def fit_coefficients(
     features: Sequence[TaskFeatures], model: PreTrainedModel, vectors: TaskVectors, init: Sequence[float],
     settings: CalibrationSection, progress: bool = True, on_step: StepCallback | None = None,
 ) -> CoefficientFit:
-    """Adam on the coefficients, one random minibatch of every task per step (DARTS's schedule and seed).
+    """Adam on the coefficients in this process, one random minibatch of every task per step (DARTS's schedule
+    and seed: the Ray workers' fit takes the same steps).
 
-    `model` is the base (frozen; θ(c) replaces its changed tensors in each forward); each task's features hold
-    its expert's hidden states at `fit_layers(settings.coefficients.layers)`.
+    `model` is the base (frozen); each task's features hold its expert's hidden states at
+    `fit_layers(settings.coefficients.layers)`.
     """
-    coefficients = settings.coefficients
-    layers = list(coefficients.layers)
-    owned = owned_layers(vectors, layers)
-    if not any(owned.values()):
-        raise DartsError(f"no expert changed any of the aligned layers {layers}: the coefficients would not move",
-                         "align where the experts differ from the base: calibration.coefficients.layers: "
-                         "[changed, final]")
-    if coefficients.logit_weight and "final" not in layers:
-        raise DartsError("calibration.coefficients.logit_weight needs the experts' final hidden states",
-                         "add final to calibration.coefficients.layers, or set logit_weight to 0")
-    merge = LayerwiseMerge(vectors, init).to(next(model.parameters()).device)
-    optimizer = torch.optim.Adam(merge.parameters(), lr=coefficients.learning_rate)
+    module = CoefficientModule(model, vectors, init, settings).to(next(model.parameters()).device)
+    optimizer = torch.optim.Adam([module.merge.coefficients], lr=settings.coefficients.learning_rate)
     generator = torch.Generator().manual_seed(settings.seed)
     losses: list[float] = []
     started = time.perf_counter()
-    bar = tqdm(range(coefficients.steps), desc="merge coefficients", unit="step", disable=not progress)
+    bar = tqdm(range(settings.coefficients.steps), desc="merge coefficients", unit="step", disable=not progress)
     for step in bar:
         optimizer.zero_grad(set_to_none=True)
-        tensors = merge.tensors()
-        total = torch.zeros(())
-        for task, index in step_minibatches(features, settings.batch_size, generator):
-            total = total + coefficient_loss(model, tensors, vectors, task.rows(index), task.task, layers,
-                                             owned[task.task], settings.beta_for(task.task),
-                                             settings.weight_on_for(task.task), coefficients.logit_weight)
+        total = module([(task.task, task.rows(index))
+                        for task, index in step_minibatches(features, settings.batch_size, generator)])
         total.backward()
         optimizer.step()
         losses.append(float(total.detach()) / len(features))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
         if on_step is not None:
             on_step(step + 1, {"coefficient_loss": losses[-1]})
-    return CoefficientFit(merge, losses, time.perf_counter() - started, layers, owned)
+    return CoefficientFit(module.merge.coefficients.detach().cpu(), vectors.experts, tuple(vectors.deltas), losses,
+                          time.perf_counter() - started, module.layers, module.owned, vectors.nbytes())
 
 
-def layerwise_mergekit_config(base: Path, experts: Mapping[str, Path], merge: LayerwiseMerge, dtype: str) -> dict:
+def layerwise_mergekit_config(base: Path, experts: Mapping[str, Path], fit: CoefficientFit, dtype: str) -> dict:
     """mergekit's task_arithmetic with one weight per expert and decoder layer: a filter per changed layer
     (its tensors' name prefix, e.g. "model.layers.3."), then the OTHER group's weight for every other tensor."""
-    vectors, table = merge.vectors, merge.coefficients.detach().cpu().tolist()
-    prefixes = {vectors.group(name): layer_prefix(name) for name in vectors.deltas if layer_prefix(name)}
+    table = fit.coefficients.tolist()
+    num_layers = len(table) - 1
+    prefixes = {layer_group(name, num_layers): layer_prefix(name) for name in fit.changed if layer_prefix(name)}
 
     def weights(k: int) -> list[dict[str, object]]:
         conditions = [{"filter": prefixes[g], "value": table[g][k]} for g in sorted(prefixes)]
-        return [*conditions, {"value": table[vectors.num_layers][k]}]
+        return [*conditions, {"value": table[num_layers][k]}]
 
     return build_mergekit_config(base, experts, "task_arithmetic", parameters={"normalize": False},
-                                 expert_parameters={t: {"weight": weights(k)} for k, t in enumerate(vectors.experts)},
+                                 expert_parameters={t: {"weight": weights(k)} for k, t in enumerate(fit.experts)},
                                  dtype=dtype)
 
 
@@ -235,24 +309,22 @@ def learned_merge(
 ) -> Path:
     """The learned merge as a model folder (mergekit's own output of the layer-wise YAML, which it keeps as
     mergekit_config.yml) with the coefficients and the fit's losses in coefficients.json."""
-    mergekit_config = layerwise_mergekit_config(base, experts, fit.merge, config.merge.dtype)
-    merged = run_merge(mergekit_config, out_dir, overwrite=True)
+    merged = run_merge(layerwise_mergekit_config(base, experts, fit, config.merge.dtype), out_dir, overwrite=True)
     with atomic_file(merged / COEFFICIENTS_FILE) as tmp:
-        tmp.write_text(json.dumps({"experts": list(fit.merge.vectors.experts), "coefficients": fit.merge.table(),
+        tmp.write_text(json.dumps({"experts": list(fit.experts), "coefficients": fit.table(),
                                    "layers": [str(k) for k in fit.layers],
                                    "owned": {e: [str(k) for k in ks] for e, ks in fit.owned.items()},
-                                   "losses": fit.losses,
-                                   "seconds": fit.seconds}, indent=1))
+                                   "losses": fit.losses, "seconds": fit.seconds}, indent=1))
     return merged
 
 
-def coefficient_stage(
+def fit_in_process(
     config: RunConfig, sources: ResolvedSources, progress: bool = True, on_step: StepCallback | None = None,
-) -> tuple[Path, CoefficientFit]:
-    """Fit the coefficients in this process and write the learned merge to config.model_dir.
+) -> CoefficientFit:
+    """The coefficients' fit in this process (cluster.executor in-process; on Ray: `fit_coefficients_distributed`).
 
-    Memory: the base model, plus its changed tensors and K task vectors of them in fp32, plus one expert at a
-    time while its targets are collected (each expert's hidden states at the fit's layers are kept).
+    Memory: the base model, plus its changed tensors and their K task vectors in fp32, plus one expert at a
+    time while its hidden states at the fit's layers are collected (those are kept).
     """
     settings = config.calibration
     device = resolve_device(settings.device)
@@ -261,14 +333,11 @@ def coefficient_stage(
     logger.info("merge coefficients: %d experts changed %d tensors (%d decoder layers); task vectors %.1f MiB",
                 len(vectors.experts), len(vectors.deltas), len(vectors.changed_layers()), vectors.nbytes() / 2**20)
     layers = fit_layers(settings.coefficients.layers, vectors.num_layers)
-    tokenizer = load_tokenizer(sources.base)
     features = []
-    for index, (task, data) in enumerate(calibration_sets(config, sources, tokenizer).items()):
+    for index, (task, data) in enumerate(calibration_sets(config, sources, load_tokenizer(sources.base)).items()):
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
         features.append(collect_features(task, index, data, expert, None, layers, settings.batch_size, progress))
         del expert
         gc.collect()
     base = load_causal_lm(sources.base, dtype=dtype, device=device)
-    fit = fit_coefficients(features, base, vectors, initial_coefficients(config), settings, progress, on_step)
-    logger.info("merge coefficients: loss %.4f -> %.4f in %.1f s", fit.losses[0], fit.losses[-1], fit.seconds)
-    return learned_merge(config, sources.base, sources.experts, fit, config.model_dir), fit
+    return fit_coefficients(features, base, vectors, initial_coefficients(config), settings, progress, on_step)

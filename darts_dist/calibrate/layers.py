@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import cache
 
-from darts_dist.calibrate.coefficients import read_task_vectors
+from darts_dist.calibrate.coefficients import changed_layers
 from darts_dist.config import RunConfig, updated
 from darts_dist.core import LayerKey, parse_layer
 from darts_dist.errors import DartsError
@@ -59,7 +59,7 @@ def with_concrete_layers(config: RunConfig, sources: ResolvedSources) -> RunConf
 
     @cache
     def changed() -> tuple[int, ...]:
-        return tuple(read_task_vectors(sources.base, sources.experts).changed_layers())
+        return tuple(changed_layers(sources.base, sources.experts))
 
     layers = concrete_layers(settings.layers, num_layers, changed)
     # The coefficients' layers only where they are fitted: "changed" reads every expert's weights.

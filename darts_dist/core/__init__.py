@@ -1,7 +1,7 @@
 """The DARTS math in plain torch: correction, learned merge coefficients, loss, hooks into a causal LM, metrics, batching, router, file format."""
 
 from darts_dist.core.batching import TokenizedSet, mask_positions, pad_rows, token_batch
-from darts_dist.core.coefficients import LayerwiseMerge, TaskVectors, layer_group, layer_prefix
+from darts_dist.core.coefficients import LayerwiseMerge, TaskVectors, coefficient_table, layer_group, layer_prefix
 from darts_dist.core.correction import (
     Correction,
     CorrectionSpec,
@@ -51,6 +51,7 @@ __all__ = [
     "TokenizedSet",
     "attach_corrections",
     "capture_hidden",
+    "coefficient_table",
     "decoder_layers",
     "entropy_weights",
     "expected_parameter_count",

@@ -89,26 +89,40 @@ class TaskVectors:
 
 
 class LayerwiseMerge(nn.Module):
-    """The trainable coefficients c [L + 1, K] over fixed task vectors; `tensors()` is the merged θ(c)."""
+    """The trainable coefficients c [L + 1, K] over fixed task vectors; its forward is θ(c) of every changed
+    tensor, base + Σ_k c[g, k]·τ_k, differentiable in c.
 
-    def __init__(self, vectors: TaskVectors, init: Sequence[float]) -> None:
+    The base values and task vectors are frozen parameters, not buffers: ZeRO-3 partitions parameters, so
+    between steps each worker keeps 1/N of them; a forward gathers them all (θ(c) needs every one).
+    """
+
+    def __init__(self, vectors: TaskVectors, init: Sequence[float], expert_tensors: Sequence[str] = ()) -> None:
         super().__init__()
         if len(init) != len(vectors.experts):
             raise ValueError(f"one initial coefficient per expert: {len(vectors.experts)} experts, {len(init)} values")
-        self.vectors = vectors
+        self.experts = vectors.experts
+        self.num_layers = vectors.num_layers
+        self.names = tuple(vectors.deltas)
+        self.groups = tuple(vectors.group(name) for name in self.names)
+        # `expert_tensors`: changed tensors whose value in each expert the forward also returns ("NAME@k").
+        self.expert_tensors = tuple(name for name in expert_tensors if name in vectors.deltas)
+        self.base = nn.ParameterList([nn.Parameter(vectors.base[n], requires_grad=False) for n in self.names])
+        self.deltas = nn.ParameterList([nn.Parameter(vectors.deltas[n], requires_grad=False) for n in self.names])
         start = torch.tensor([float(w) for w in init])
         self.coefficients = nn.Parameter(start.repeat(vectors.num_groups, 1))
+        self.task_vector_bytes = vectors.nbytes()  # all of them, before any partitioning
 
-    def tensors(self) -> dict[str, Tensor]:
-        """θ(c) of every changed tensor: base + Σ_k c[g, k]·τ_k, differentiable in c."""
+    def forward(self) -> dict[str, Tensor]:
         out = {}
-        for name, delta in self.vectors.deltas.items():
-            c = self.coefficients[self.vectors.group(name)].to(delta.device)
-            out[name] = self.vectors.base[name] + torch.tensordot(c, delta, dims=1)
+        for name, group, base, delta in zip(self.names, self.groups, self.base, self.deltas):
+            out[name] = base + torch.tensordot(self.coefficients[group].to(delta.device), delta, dims=1)
+            if name in self.expert_tensors:
+                out |= {f"{name}@{k}": (base + delta[k]).detach() for k in range(len(self.experts))}
         return out
 
-    def table(self) -> dict[str, dict[str, float]]:
-        """Each expert's coefficient per group: {"0": {expert: c}, ..., "other": {...}}."""
-        c = self.coefficients.detach().cpu().tolist()
-        label = [str(g) for g in range(self.vectors.num_layers)] + ["other"]
-        return {label[g]: dict(zip(self.vectors.experts, row)) for g, row in enumerate(c)}
+
+def coefficient_table(coefficients: Tensor, experts: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Each expert's coefficient per group: {"0": {expert: c}, ..., "other": {...}} for c [L + 1, K]."""
+    rows = coefficients.detach().cpu().tolist()
+    label = [str(g) for g in range(len(rows) - 1)] + ["other"]
+    return {label[g]: dict(zip(experts, row)) for g, row in enumerate(rows)}

@@ -195,7 +195,8 @@ class Evaluator:
             if split == "heldout" and side.scorer is not None and side.problems:
                 corrected, routed = plain.passes, None  # without corrections, the merged model is the 'corrected' one
                 if corrections is not None or candidate is not merged:
-                    with CorrectedLM(candidate, self.tokenizer, corrections, router) as lm:
+                    with CorrectedLM(candidate, self.tokenizer, corrections,
+                                     router if corrections is not None else None) as lm:
                         corrected = self._passes(lm, None if corrections is None else side.task, side, "corrected")
                         if router is not None and corrections is not None:
                             routed = routed_passes(lm, side.task, side.problems, side.scorer, self.config.evaluation,

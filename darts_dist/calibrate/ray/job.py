@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import ray
@@ -28,7 +29,14 @@ import ray.train
 import torch
 from ray.data import ExecutionOptions, ExecutionResources
 from ray.train.torch import TorchTrainer
+from safetensors.torch import load_file
 
+from darts_dist.calibrate.coefficients import (
+    CHECKPOINT_COEFFICIENTS,
+    CoefficientFit,
+    fit_layers,
+    initial_coefficients,
+)
 from darts_dist.calibrate.corrections import save_corrections_for
 from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.in_process import CalibrationOutcome, calibration_sets, token_weights
@@ -48,11 +56,12 @@ from darts_dist.calibrate.ray.worker import (
     PROGRESS_FILE,
     train_loop_per_worker,
 )
-from darts_dist.config import CORRECTIONS_FILE, CalibrationSection, ClusterSection, RunConfig
+from darts_dist.config import CORRECTIONS_FILE, CalibrationSection, ClusterSection, RunConfig, updated
 from darts_dist.core import DartsCorrections, TokenizedSet, load_corrections, mask_positions
 from darts_dist.errors import DartsError
 from darts_dist.logs import init_ray
-from darts_dist.sources.models import content_hash, load_tokenizer
+from darts_dist.core import parse_layer
+from darts_dist.sources.models import content_hash, load_tokenizer, read_model_info
 from darts_dist.sources.references import ResolvedSources
 
 logger = logging.getLogger(__name__)
@@ -72,13 +81,17 @@ class JobPlan:
     storage_path: str
     address: str | None = None
     on_step: StepCallback | None = None  # per-step metrics to MLflow, sent by rank 0
+    # What the workers train: DARTS corrections on merged_dir, or merge coefficients over the experts' task
+    # vectors, starting from `init`, with merged_dir the base.
+    fit: Literal["corrections", "coefficients"] = "corrections"
+    init: tuple[float, ...] = ()
 
 
 @dataclass
 class JobResult:
     """What the job trained, on which rows, and how it went."""
 
-    corrections: DartsCorrections
+    corrections: DartsCorrections | None  # None for a coefficients fit
     losses: list[float]
     rows: dict[int, dict[str, list[int]]]  # worker rank -> task -> the row ids it trained on
     entropy: dict[str, dict[int, np.ndarray]]  # task -> row -> the expert's H_t on the row's tokens
@@ -93,6 +106,8 @@ class JobResult:
     # Node ids: "workers" by rank, "experts" by task (calibrate.ray.worker.placement); "nodes": id ->
     # address and resources.
     placement: dict[str, object]
+    coefficients: torch.Tensor | None = None  # c [L + 1, K] of a coefficients fit
+    coefficient_meta: dict[str, object] | None = None  # its experts, changed tensors and owned layers
 
 
 def _env_int(name: str) -> int | None:
@@ -190,10 +205,16 @@ def _user_error(error: ray.train.TrainingFailedError) -> DartsError | None:
     return None
 
 
-def _read_checkpoint(checkpoint: ray.train.Checkpoint) -> tuple[DartsCorrections, dict, dict, dict]:
+def _read_checkpoint(
+    checkpoint: ray.train.Checkpoint,
+) -> tuple[DartsCorrections | torch.Tensor, dict, dict, dict]:
+    """The trained parameters (corrections, or the coefficients of a coefficients fit), progress, rows, entropy."""
     with checkpoint.as_directory() as folder:
         folder = Path(folder)
-        corrections, _ = load_corrections(folder / CHECKPOINT_CORRECTIONS)
+        if (folder / CHECKPOINT_COEFFICIENTS).is_file():
+            trained = load_file(str(folder / CHECKPOINT_COEFFICIENTS))["coefficients"]
+        else:
+            trained, _ = load_corrections(folder / CHECKPOINT_CORRECTIONS)
         progress = json.loads((folder / PROGRESS_FILE).read_text())
         rows: dict[int, dict[str, list[int]]] = {}
         entropy: dict[str, dict[int, np.ndarray]] = {}
@@ -205,7 +226,7 @@ def _read_checkpoint(checkpoint: ray.train.Checkpoint) -> tuple[DartsCorrections
                     task, row = key.rsplit("/", 1)
                     rows[rank].setdefault(task, []).append(int(row))
                     entropy.setdefault(task, {})[int(row)] = saved[key]
-    return corrections, progress, rows, entropy
+    return trained, progress, rows, entropy
 
 
 def run_calibration_job(plan: JobPlan) -> JobResult:
@@ -227,6 +248,10 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 "feature_memory_mb": cluster.feature_memory_mb,
                 "fail_at_step": _env_int(FAIL_WORKER_AT_STEP),
                 "on_step": plan.on_step,
+                "fit": plan.fit,
+                "base_dir": str(plan.merged_dir),
+                "experts": {task: str(path) for task, path in plan.experts.items()},
+                "init": list(plan.init),
             },
             scaling_config=ray.train.ScalingConfig(
                 num_workers=cluster.num_workers,
@@ -258,14 +283,20 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 raise (_user_error(error) or error) from None
         nodes = node_table()  # while connected: the nodes' addresses and resources, for the record
     finished = time.time()
-    corrections, progress, rows, entropy = _read_checkpoint(result.checkpoint)
+    trained, progress, rows, entropy = _read_checkpoint(result.checkpoint)
+    coefficients = plan.fit == "coefficients"
+    if coefficients != isinstance(trained, torch.Tensor):
+        raise DartsError(f"the Ray run {plan.run_id} in {plan.storage_path} holds a checkpoint of another kind "
+                         f"than this {plan.fit} fit", "set another cluster.run_id, or remove that run's folder")
     timings = progress["timings"]
     resumed_from = progress["resumed_from"]
     if timings["worker_start"] < started:  # a finished run, resumed: its last checkpoint is from before
         timings = {"worker_start": finished, "setup": 0.0, "stream": 0.0, "train": 0.0}
         resumed_from = len(progress["losses"])
     return JobResult(
-        corrections=corrections,
+        corrections=None if coefficients else trained,
+        coefficients=trained if coefficients else None,
+        coefficient_meta=progress.get("coefficients"),
         losses=progress["losses"],
         rows=rows,
         entropy=entropy,
@@ -284,10 +315,13 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
     )
 
 
-def default_run_id(config: RunConfig, merged_dir: Path, data: Mapping[str, TokenizedSet]) -> str:
-    """NAME-<hash of what decides the result>: an unchanged command resumes its run, a changed one starts anew."""
+def default_run_id(config: RunConfig, merged_dir: Path, data: Mapping[str, TokenizedSet],
+                   fit: Mapping[str, object] | None = None) -> str:
+    """NAME-<hash of what decides the result>: an unchanged command resumes its run, a changed one starts anew.
+    `fit`: what else decides it (a coefficients fit's kind and start)."""
     digest = hashlib.sha256()
     decisive = {
+        **({"fit": fit} if fit else {}),
         "calibration": config.calibration.model_dump(mode="json"),
         "experts": {e.task: e.path for e in config.sources.experts},
         "merged": content_hash(merged_dir),
@@ -306,20 +340,27 @@ def job_plan(
     merged_dir: Path,
     address: str | None = None,
     on_step: StepCallback | None = None,
+    init: tuple[float, ...] | None = None,
 ) -> JobPlan:
-    """The job for a validated config: calibration sets tokenised as the in-process stage does."""
+    """The job for a validated config: calibration sets tokenised as the in-process stage does. With `init`, a
+    merge coefficients' fit from there (merged_dir is then the base); its run id is its own (`-coefficients`
+    after a configured cluster.run_id), so it never resumes a corrections run, nor one from another start."""
     data = calibration_sets(config, sources, load_tokenizer(sources.base))
     cluster = config.cluster
+    fit = None if init is None else {"fit": "coefficients", "init": list(init)}
+    run_id = cluster.run_id and (cluster.run_id if fit is None else f"{cluster.run_id}-coefficients")
     return JobPlan(
         data=data,
         experts=dict(sources.experts),
         merged_dir=Path(merged_dir).absolute(),
         settings=config.calibration,
         cluster=cluster,
-        run_id=cluster.run_id or default_run_id(config, merged_dir, data),
+        run_id=run_id or default_run_id(config, merged_dir, data, fit),
         storage_path=cluster.storage_path or str((config.run_dir / "ray-train").absolute()),
         address=address or cluster.address or os.environ.get("RAY_ADDRESS"),
         on_step=on_step,
+        fit="corrections" if init is None else "coefficients",
+        init=tuple(init or ()),
     )
 
 
@@ -336,7 +377,8 @@ def entropy_features(task: str, index: int, data: TokenizedSet, entropy: Mapping
 def summary(job: JobResult) -> str:
     """The job's progress in one line: rows streamed, steps, loss, rows/s, where the seconds went."""
     if job.resumed_from == len(job.losses):
-        return (f"this run had finished: its corrections after {len(job.losses)} steps are reused "
+        trained = "corrections" if job.corrections is not None else "coefficients"
+        return (f"this run had finished: its {trained} after {len(job.losses)} steps are reused "
                 "(set cluster.run_id to start a new run)")
     rows = int(job.stream["rows"])
     seconds = ", ".join(f"{name} {value:.1f}" for name, value in job.timings.items())
@@ -372,3 +414,28 @@ def calibrate_distributed(
                "stream": {**job.stream, "object_store_peak_bytes": job.object_store_peak_bytes},
                "seconds": job.timings}
     return CalibrationOutcome(corrections_path=path, result=result, entropy_weights=weights, job=details)
+
+
+def fit_coefficients_distributed(
+    config: RunConfig, sources: ResolvedSources, address: str | None = None, on_step: StepCallback | None = None,
+) -> CoefficientFit:
+    """The merge coefficients' fit as a Ray job: the experts stream their hidden states at the fit's layers into
+    DeepSpeed workers that hold the base and the task vectors (ZeRO-3 partitions the task vectors) and step the
+    coefficients on the same schedule as the in-process fit."""
+    settings = config.calibration
+    coefficients = settings.coefficients
+    layers = fit_layers(coefficients.layers, read_model_info(sources.base).num_layers)
+    # The job's own settings: the stream carries every fit layer, the steps and learning rate are the fit's.
+    job_settings = updated(settings, layers=layers, loss_at="every", steps=coefficients.steps,
+                           learning_rate=coefficients.learning_rate, weight_decay=0.0)
+    plan = job_plan(updated(config, calibration=job_settings), sources, sources.base, address, on_step,
+                    init=tuple(initial_coefficients(config)))
+    logger.info("merge coefficients: Ray run %s (%d worker(s), ZeRO-%d)", plan.run_id, config.cluster.num_workers,
+                config.cluster.zero_stage)
+    job = run_calibration_job(plan)
+    logger.info("merge coefficients: %s", summary(job))
+    meta = job.coefficient_meta
+    return CoefficientFit(job.coefficients, tuple(meta["experts"]), tuple(meta["changed"]), job.losses,
+                          job.timings["train"], list(coefficients.layers),
+                          {e: [parse_layer(k) for k in ks] for e, ks in meta["owned"].items()},
+                          meta.get("task_vector_bytes", 0))

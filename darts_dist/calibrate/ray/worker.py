@@ -1,9 +1,11 @@
-"""The Ray Train calibration worker: the frozen merged model and its corrections, trained with DeepSpeed.
+"""The Ray Train calibration worker: the frozen merged model and its corrections (or the frozen base, the
+experts' task vectors and the merge coefficients), trained with DeepSpeed.
 
 `train_loop_per_worker` reads like single-process training: load the merged model, hook in the
 corrections, drain this worker's shard of every expert's stream into a feature store (each row's
 merged forward runs here once), then run the in-process reference's step schedule through a
-DeepSpeed engine, checkpointing corrections and optimizer state every `checkpoint_every` steps.
+DeepSpeed engine, checkpointing what it trains (corrections, or coefficients) and the optimizer state
+every `checkpoint_every` steps.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from darts_dist.calibrate.coefficients import CoefficientModule, read_task_vectors
 from darts_dist.calibrate.features import TaskFeatures, features_only, first_decoder_layer, merged_hidden
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
 from darts_dist.calibrate.ray.feature_store import FeatureStore
@@ -76,6 +79,12 @@ class CalibrationModule(nn.Module):
         if not features_only(self.corrections.layer_keys):
             self.handle = attach_corrections(self.merged, self.corrections)
             self.handle.record = True
+
+    def trained(self) -> list[nn.Parameter]:
+        return list(self.corrections.parameters())
+
+    def save_trained(self, folder: Path) -> None:
+        save_corrections(folder / CHECKPOINT_CORRECTIONS, self.corrections)
 
     def forward(self, minibatches: Sequence[tuple[str, dict[str, object]]]) -> torch.Tensor:
         device = next(self.corrections.parameters()).device
@@ -160,7 +169,8 @@ def in_lockstep(items: Iterator, device: torch.device) -> Iterator:
 
 def drain(
     batches: Iterator[tuple[str, dict[str, np.ndarray]]],
-    module: CalibrationModule,
+    merged_model: nn.Module | None,
+    device: torch.device,
     store: FeatureStore,
     settings: CalibrationSection,
     lockstep: bool,
@@ -171,26 +181,26 @@ def drain(
     `expert_nodes` gets, per task, the nodes its expert actors ran on.
 
     In feature mode the merged model runs here once per row, so training steps need no model at all; through
-    the model, it runs once up to the lowest corrected layer, whose input each row keeps (`start_column`), so
-    steps run the layers from there on (not under ZeRO-3, whose weight gathering follows the module order).
+    the model, it runs once per row and each row keeps the hidden states entering the lowest corrected layer
+    (START_COLUMN), so steps run the layers from there on (not under ZeRO-3, whose weight gathering follows the module order).
+    Without a merged model (the merge coefficients' fit) rows are kept as they come.
     """
-    device = next(module.corrections.parameters()).device
-    with_merged = features_only(settings.layers)
-    start = 0 if lockstep else first_decoder_layer(settings.layers)
+    with_merged = merged_model is not None and features_only(settings.layers)
+    start = 0 if lockstep or merged_model is None else first_decoder_layer(settings.layers)
     if lockstep and with_merged:
         batches = in_lockstep(batches, device)
     received = rows = 0
     started = time.perf_counter()
     for item in batches:
         if item is None:  # this rank is done, others are not: a one-token forward keeps gathers in step
-            merged_hidden(module.merged, torch.ones(1, 1, dtype=torch.long, device=device),
+            merged_hidden(merged_model, torch.ones(1, 1, dtype=torch.long, device=device),
                           torch.ones(1, 1, dtype=torch.long, device=device), settings.layers)
             continue
         task, batch = item
         merged = {}
         if with_merged or start:
             ids, mask = (pad_rows(batch[name]).to(device) for name in ("input_ids", "attention_mask"))
-            merged = merged_hidden(module.merged, ids, mask, settings.layers if with_merged else [start - 1])
+            merged = merged_hidden(merged_model, ids, mask, settings.layers if with_merged else [start - 1])
         for i, row in enumerate(batch["row"]):
             length = len(batch["input_ids"][i])
             arrays = {name: batch[name][i] for name in (*TOKEN_FIELDS, "entropy")}
@@ -235,23 +245,34 @@ def read_state(checkpoint: ray.train.Checkpoint | None) -> TrainState:
     return TrainState(step=progress["step"], losses=progress["losses"], resumed_from=progress["step"])
 
 
-def build_engine(config: Mapping[str, object], tasks: Sequence[str], checkpoint: ray.train.Checkpoint | None):
-    """The merged model (frozen) with fresh corrections in a DeepSpeed engine; the checkpoint's state if given."""
+def training_module(config: Mapping[str, object], tasks: Sequence[str], device: torch.device) -> nn.Module:
+    """What the worker trains: the merged model (frozen) with fresh corrections, or, for the merge coefficients'
+    fit (config["fit"] == "coefficients"), the base (frozen) with the experts' task vectors and coefficients."""
     settings: CalibrationSection = config["settings"]
-    device = ray.train.torch.get_device()
-    merged = load_causal_lm(Path(config["merged_dir"]), dtype=model_dtype(settings.dtype, device), device=device)
+    dtype = model_dtype(settings.dtype, device)
+    if config.get("fit") == "coefficients":
+        base = load_causal_lm(Path(config["base_dir"]), dtype=dtype, device=device)
+        vectors = read_task_vectors(Path(config["base_dir"]), {t: Path(p) for t, p in config["experts"].items()})
+        return CoefficientModule(base, vectors.to(device), config["init"], settings).to(device)
+    merged = load_causal_lm(Path(config["merged_dir"]), dtype=dtype, device=device)
     torch.manual_seed(settings.seed)  # the reference loop's initial corrections
     corrections = build_corrections(tasks, merged.config.hidden_size, settings).to(device)
+    return CalibrationModule(merged, corrections, settings)
+
+
+def build_engine(config: Mapping[str, object], tasks: Sequence[str], checkpoint: ray.train.Checkpoint | None):
+    """The training module in a DeepSpeed engine; the checkpoint's state if given."""
+    settings: CalibrationSection = config["settings"]
+    device = ray.train.torch.get_device()
+    module = training_module(config, tasks, device)
     if device.type == "cpu":
         # On CPU DeepSpeed JIT-compiles a shared-memory allreduce on first use: minutes of C++ in every
         # fresh environment, for nothing here, since gloo's allreduce is ample for correction-sized gradients.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    engine, *_ = deepspeed.initialize(
-        model=CalibrationModule(merged, corrections, settings),
-        model_parameters=list(corrections.parameters()),
-        config=deepspeed_config(settings, config["zero_stage"]),
-    )
-    engine.module.attach()
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.trained(),
+                                      config=deepspeed_config(settings, config["zero_stage"]))
+    if isinstance(engine.module, CalibrationModule):
+        engine.module.attach()
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
             # Frozen weights are not in checkpoints (they are the merged model's): load non-strictly.
@@ -281,15 +302,15 @@ def reduce_over_ranks(values: Sequence[float], device: torch.device, op: str = "
 def save_checkpoint(
     engine: deepspeed.DeepSpeedEngine, state: TrainState, rows: Mapping[str, np.ndarray], progress: dict
 ) -> None:
-    """Every rank: DeepSpeed's state (its own optimizer partition) and its rows; rank 0 also the whole
-    corrections and the progress. Ray Train merges the ranks' folders into one checkpoint."""
+    """Every rank: DeepSpeed's state (its own optimizer partition) and its rows; rank 0 also the whole trained
+    parameters (corrections or merge coefficients) and the progress. Ray Train merges the ranks' folders into
+    one checkpoint."""
     rank = dist.get_rank()
-    corrections = engine.module.corrections
     with tempfile.TemporaryDirectory(prefix="darts-checkpoint-") as folder:
         engine.save_checkpoint(folder, tag=ENGINE_TAG, exclude_frozen_parameters=True)
-        with deepspeed.zero.GatheredParameters(list(corrections.parameters())):
+        with deepspeed.zero.GatheredParameters(engine.module.trained()):
             if rank == 0:
-                save_corrections(Path(folder) / CHECKPOINT_CORRECTIONS, corrections)
+                engine.module.save_trained(Path(folder))
         if rank == 0:
             progress = {**progress, "step": state.step, "losses": state.losses, "resumed_from": state.resumed_from}
             (Path(folder) / PROGRESS_FILE).write_text(json.dumps(progress))
@@ -333,7 +354,8 @@ def train_loop_per_worker(config: dict) -> None:
     with tempfile.TemporaryDirectory(prefix="darts-features-") as spill_dir:
         store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
         expert_nodes: dict[str, set[str]] = {}
-        received = drain(stream, engine.module, store, settings, lockstep=config["zero_stage"] == 3, log=log,
+        merged_model = engine.module.merged if isinstance(engine.module, CalibrationModule) else None
+        received = drain(stream, merged_model, device, store, settings, lockstep=config["zero_stage"] == 3, log=log,
                          expert_nodes=expert_nodes)
         row_ids = {task: store.row_ids(task) for task in tasks}
         missing = [task for task, ids in row_ids.items() if not ids]
@@ -347,6 +369,11 @@ def train_loop_per_worker(config: dict) -> None:
                         "peak_memory_bytes": reduce_over_ranks([store.peak_memory_bytes], device, "max")[0]}
         timings["stream"] = time.time() - started - timings["setup"]
         progress = {"timings": timings, "stream": stream_stats, "placement": placement(expert_nodes)}
+        if isinstance(engine.module, CoefficientModule):  # what the driver needs to write the learned merge
+            merge = engine.module.merge
+            progress["coefficients"] = {"experts": list(merge.experts), "task_vector_bytes": merge.task_vector_bytes,
+                                        "changed": list(merge.names),
+                                        "owned": {e: [str(k) for k in ks] for e, ks in engine.module.owned.items()}}
         train_steps(engine, features, state, config, row_entropies(features, row_ids), progress, log)
 
 
