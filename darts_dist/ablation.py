@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from transformers import PreTrainedModel
 
 from darts_dist.calibrate.coefficients import fit_coefficients, fit_layers, initial_coefficients, learned_merge, read_task_vectors
@@ -142,6 +143,11 @@ def plan_ablation(
         raise DartsError(f"the number of tuning trials must be 0 (no tuning) or more, got {trials}")
     if seeds < 1:
         raise DartsError(f"the number of seeds must be 1 or more, got {seeds}")
+    try:
+        updated(config.calibration, layers=list(deep_layers))
+    except ValidationError as error:
+        raise DartsError(f"deep DARTS's layers {list(deep_layers)}: {error.errors()[0]['msg']}",
+                         "name decoder layer indices, final, or the sets all, every:N, changed") from None
     if select not in SELECT_METRICS:
         raise DartsError(f"unknown tuning metric {select!r}", f"use one of {list(SELECT_METRICS)}")
     settings = config.calibration
@@ -454,6 +460,8 @@ def _mean(values: Sequence[object]) -> object:
     """The mean over seeds of one result: numbers averaged (None if a seed has none), lists and dicts entry by
     entry, anything else (names, flags) as the first seed has it."""
     first = values[0]
+    if isinstance(first, int) and not isinstance(first, bool) and all(v == first for v in values):
+        return first  # a count every seed shares (tokens, problems)
     if isinstance(first, (int, float)) and not isinstance(first, bool):
         return None if any(v is None for v in values) else statistics.fmean(values)
     if isinstance(first, list) and all(isinstance(v, list) and len(v) == len(first) for v in values):

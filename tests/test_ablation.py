@@ -66,6 +66,11 @@ def test_plan_refuses_bad_requests() -> None:
         plan_ablation(_config(merge={"mergekit_yaml": "m.yml"}))
     with pytest.raises(DartsError, match="tuning metric"):
         plan_ablation(_config(), select="loss")
+    with pytest.raises(DartsError, match="deep DARTS's layers"):
+        plan_ablation(_config(), deep_layers=["every:0", "final"])
+    with pytest.raises(DartsError, match="seeds"):
+        plan_ablation(_config(), seeds=0)
+    assert plan_ablation(_config(), deep_layers=["26", "final"]).deep_layers == ("26", "final")
     assert plan_ablation(_config()).merge_methods == ("task_arithmetic", "ties")
     assert plan_ablation(_config(merge={"method": "ties"})).merge_methods == ("ties", "task_arithmetic")
     # Tuning holds validation data back: the config's fraction, else 0.2.
