@@ -253,3 +253,18 @@ def test_the_coefficients_fit_on_a_zero3_worker_equals_the_in_process_fit(ray_cl
     assert on_ray.losses == pytest.approx(own.losses, rel=1e-4)
     assert torch.allclose(on_ray.coefficients, own.coefficients, atol=1e-5)
     assert (own.coefficients[2] - 1.0).abs().max() > 0.05  # the fit moved them from the start (1.0 each)
+
+
+def test_deep_corrections_on_a_worker_train_from_their_lowest_layer_as_in_process(ray_cluster, tiny_family,
+                                                                                  tmp_path) -> None:
+    """Deep DARTS on a ZeRO-0 worker: rows keep the merged states entering layer 2 and steps run from there,
+    with the loss at the last corrected layer only; the corrections equal the in-process loop's."""
+    config = make_config(tiny_family, tmp_path, calibration={"layers": [2, 3, "final"], "loss_at": "last",
+                                                             "steps": 12, "learning_rate": 0.001})
+    job = run_job(config, tiny_family)
+    assert job.stream["bytes"] > 0
+    reference = calibrate_stage(config, resolve_sources(config), tiny_family.base)
+    for (name, ours), theirs in zip(job.corrections.named_parameters(),
+                                   reference.result.corrections.parameters()):
+        torch.testing.assert_close(ours, theirs, atol=SAME_CORRECTIONS_ATOL, rtol=0, msg=name)
+    assert job.losses == pytest.approx(reference.result.losses, abs=SAME_CORRECTIONS_ATOL)

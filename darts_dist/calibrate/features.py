@@ -80,9 +80,8 @@ class TaskFeatures:
     entropy: torch.Tensor
     targets: dict[LayerKey, torch.Tensor]
     merged: dict[LayerKey, torch.Tensor] = field(default_factory=dict)
-    # Training through the model from decoder layer start_layer: the trained model's hidden states entering
-    # it (layer start_layer − 1's output, [N, S, d]), so the layers below run once, not at every step.
-    start_layer: int = 0
+    # Training through the model from its lowest corrected decoder layer: the trained model's hidden states
+    # entering that layer ([N, S, d]), so the layers below run once, not at every step.
     start_hidden: torch.Tensor | None = None
 
     def __len__(self) -> int:
@@ -118,7 +117,7 @@ def with_start_hidden(features: TaskFeatures, model: PreTrainedModel, start: int
             model.get_decoder()(input_ids=features.input_ids[index].to(device),
                                 attention_mask=features.attention_mask[index].to(device))
         chunks.append(hidden[start - 1].float().cpu())
-    return replace(features, start_layer=start, start_hidden=torch.cat(chunks))
+    return replace(features, start_hidden=torch.cat(chunks))
 
 
 def features_only(layers: Sequence[LayerKey]) -> bool:

@@ -231,7 +231,6 @@ def task_features(store: FeatureStore, task: str, index: int, settings: Calibrat
         entropy=arrays["entropy"],
         targets={layer: arrays[target_column(layer)] for layer in settings.loss_layers()},
         merged={layer: arrays[merged_column(layer)] for layer in settings.layers if merged_column(layer) in arrays},
-        start_layer=first_decoder_layer(settings.layers) if START_COLUMN in arrays else 0,
         start_hidden=arrays.get(START_COLUMN),
     )
 
