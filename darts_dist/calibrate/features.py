@@ -113,10 +113,9 @@ def with_start_hidden(features: TaskFeatures, model: PreTrainedModel, start: int
     chunks = []
     for first in range(0, len(features), batch_size):
         index = torch.arange(first, min(first + batch_size, len(features)))
-        with capture_hidden(model, [start - 1]) as hidden:
-            model.get_decoder()(input_ids=features.input_ids[index].to(device),
-                                attention_mask=features.attention_mask[index].to(device))
-        chunks.append(hidden[start - 1].float().cpu())
+        hidden = merged_hidden(model, features.input_ids[index].to(device), features.attention_mask[index].to(device),
+                               [start - 1])
+        chunks.append(hidden[start - 1].cpu())
     return replace(features, start_hidden=torch.cat(chunks))
 
 
