@@ -41,7 +41,9 @@ from darts_dist.calibrate.corrections import save_corrections_for
 from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.in_process import CalibrationOutcome, calibration_sets, token_weights
 from darts_dist.calibrate.loop import CalibrationResult, StepCallback
+from darts_dist.calibrate.ray.cpu_share import actors_per_node
 from darts_dist.calibrate.ray.placement import (
+    alive_nodes,
     custom_resources,
     job_bundles,
     node_table,
@@ -237,6 +239,8 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
     fail_expert_after = _env_int(FAIL_EXPERT_AFTER)
     with ray_session(plan.address, local_cluster_resources(plan)):
         wait_for_resources(cluster, len(plan.data))
+        cpu = (cluster.cpu_schedule, actors_per_node(len(plan.data), cluster.num_workers,
+                                                     sum(1 for node in alive_nodes() if node["Resources"].get("CPU"))))
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
@@ -252,6 +256,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 "base_dir": str(plan.merged_dir),
                 "experts": {task: str(path) for task, path in plan.experts.items()},
                 "init": list(plan.init),
+                "cpu": cpu,
             },
             scaling_config=ray.train.ScalingConfig(
                 num_workers=cluster.num_workers,
@@ -260,7 +265,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 placement_strategy=cluster.placement_strategy,
             ),
             datasets={
-                task: expert_stream(data, plan.experts[task], settings, cluster, fail_expert_after)
+                task: expert_stream(data, plan.experts[task], settings, cluster, fail_expert_after, cpu[1])
                 for task, data in plan.data.items()
             },
             # Back-pressure: each expert's stream may hold this much of the object store, no more.

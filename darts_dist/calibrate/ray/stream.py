@@ -24,8 +24,9 @@ import ray
 import ray.data
 import ray.train
 
+from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share
 from darts_dist.calibrate.ray.placement import expert_actor_options
-from darts_dist.config import CalibrationSection, ClusterSection
+from darts_dist.config import CalibrationSection, ClusterSection, CpuSchedule
 from darts_dist.fanin import fan_in
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class ExpertStream:
         dtype: str,
         device: str,
         fail_after_batches: int | None = None,
-        yield_cpu: bool = False,
+        cpu: tuple[CpuSchedule, int] | None = None,
     ) -> None:
         from darts_dist.logs import show_progress_logs
         from darts_dist.sources.models import load_causal_lm, model_dtype, resolve_device
@@ -99,11 +100,15 @@ class ExpertStream:
 
         # "auto" resolves inside the actor: one that Ray gave a GPU uses it, one without stays on the CPU.
         self.device = resolve_device(device)
-        if yield_cpu and self.device.type == "cpu":
-            # Experts sharing CPUs with the training workers yield to them: the workers have as much
-            # forward work as all the experts together (the merged model runs once on every row) and
-            # drain the stream, so starving them only fills the object store.
-            os.nice(19 - os.nice(0))
+        self.turn = ForwardTurn(enabled=False)
+        if cpu is not None and self.device.type == "cpu":  # the job's schedule, model-running actors per node
+            share = cpu_share(*cpu, node_cores())
+            self.turn = take_share(share)
+            if not share.turns:
+                # All at once, experts yield to the training workers: those have as much forward work as
+                # all the experts together (the merged model runs once on every row) and drain the
+                # stream, so starving them only fills the object store.
+                os.nice(19 - os.nice(0))
         self.dtype = model_dtype(dtype, self.device)
         self.model = load_causal_lm(Path(model_path), dtype=self.dtype, device=self.device)
         self.wire_dtype = str(self.dtype).removeprefix("torch.")
@@ -122,7 +127,8 @@ class ExpertStream:
         lengths = [len(ids) for ids in batch["input_ids"]]
         ids = pad_rows(batch["input_ids"]).to(self.device)
         mask = pad_rows(batch["attention_mask"]).to(self.device)
-        hidden, entropy = expert_targets(self.model, ids, mask, self.layers)
+        with self.turn:
+            hidden, entropy = expert_targets(self.model, ids, mask, self.layers)
         rows = {name: batch[name] for name in ("task", "row", *TOKEN_FIELDS)}
         rows["node"] = np.full(len(lengths), self.node, dtype=object)
         rows["entropy"] = _ragged(entropy.cpu().numpy(), lengths)
@@ -148,10 +154,13 @@ def expert_stream(
     settings: CalibrationSection,
     cluster: ClusterSection,
     fail_after_batches: int | None = None,
+    actors_per_node: int = 1,
 ) -> ray.data.Dataset:
     """The rows of one task: its samples, run through one actor that holds its expert.
 
-    The actor runs batches of `settings.batch_size` samples, as the in-process reference does. Ray
+    The actor runs batches of `settings.batch_size` samples, as the in-process reference does; on a CPU
+    node it shares the cores by `cluster.cpu_schedule` with the node's other model-running actors (about
+    `actors_per_node`; calibrate.ray.cpu_share). Ray
     Data restarts a lost actor and retries the batches it lost (its defaults: max_restarts=-1,
     max_task_retries=-1; a batch that raises is not retried, it fails the run).
     """
@@ -163,7 +172,7 @@ def expert_stream(
             "dtype": settings.dtype,
             "device": settings.device,
             "fail_after_batches": fail_after_batches,
-            "yield_cpu": not cluster.use_gpu,
+            "cpu": (cluster.cpu_schedule, actors_per_node),
         },
         batch_size=settings.batch_size,
         compute=ray.data.ActorPoolStrategy(size=1),

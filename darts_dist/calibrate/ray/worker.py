@@ -16,7 +16,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import deepspeed
@@ -30,6 +30,7 @@ from torch import nn
 from darts_dist.calibrate.coefficients import CoefficientModule, read_task_vectors
 from darts_dist.calibrate.features import TaskFeatures, features_only, first_decoder_layer, merged_hidden
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
+from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share
 from darts_dist.calibrate.ray.feature_store import FeatureStore
 from darts_dist.calibrate.ray.stream import TOKEN_FIELDS, arrivals, from_wire, target_column
 from darts_dist.config import CalibrationSection
@@ -176,6 +177,7 @@ def drain(
     lockstep: bool,
     log: Progress,
     expert_nodes: dict[str, set[str]],
+    turn: ForwardTurn | None = None,
 ) -> int:
     """Keep this worker's rows of every task in `store`; returns the bytes of hidden states received.
     `expert_nodes` gets, per task, the nodes its expert actors ran on.
@@ -183,8 +185,10 @@ def drain(
     In feature mode the merged model runs here once per row, so training steps need no model at all; through
     the model, it runs once per row and each row keeps the hidden states entering the lowest corrected layer
     (START_COLUMN), so steps run the layers from there on (not under ZeRO-3, whose weight gathering follows the module order).
-    Without a merged model (the merge coefficients' fit) rows are kept as they come.
+    Without a merged model (the merge coefficients' fit) rows are kept as they come. The merged forwards take
+    `turn` (a CPU node's turns with the expert actors).
     """
+    turn = turn or ForwardTurn(enabled=False)
     with_merged = merged_model is not None and features_only(settings.layers)
     start = 0 if lockstep or merged_model is None else first_decoder_layer(settings.layers)
     if lockstep and with_merged:
@@ -200,7 +204,8 @@ def drain(
         merged = {}
         if with_merged or start:
             ids, mask = (pad_rows(batch[name]).to(device) for name in ("input_ids", "attention_mask"))
-            merged = merged_hidden(merged_model, ids, mask, settings.layers if with_merged else [start - 1])
+            with turn:
+                merged = merged_hidden(merged_model, ids, mask, settings.layers if with_merged else [start - 1])
         for i, row in enumerate(batch["row"]):
             length = len(batch["input_ids"][i])
             arrays = {name: batch[name][i] for name in (*TOKEN_FIELDS, "entropy")}
@@ -349,13 +354,19 @@ def train_loop_per_worker(config: dict) -> None:
     if state.resumed_from is not None:
         log(f"resuming from the checkpoint at step {state.step}", force=True)
     device = ray.train.torch.get_device()
+    turn = None
+    if device.type == "cpu":
+        # ZeRO-3's forwards gather weights from the other ranks: a rank waiting for its turn while a rank on
+        # the same node holds it would never get it, so under ZeRO-3 the workers' forwards take no turns.
+        share = cpu_share(*config["cpu"], node_cores())
+        turn = take_share(replace(share, turns=share.turns and config["zero_stage"] != 3))
     timings = {"worker_start": started, "setup": time.time() - started}
     with tempfile.TemporaryDirectory(prefix="darts-features-") as spill_dir:
         store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
         expert_nodes: dict[str, set[str]] = {}
         merged_model = engine.module.merged if isinstance(engine.module, CalibrationModule) else None
         received = drain(stream, merged_model, device, store, settings, lockstep=config["zero_stage"] == 3, log=log,
-                         expert_nodes=expert_nodes)
+                         expert_nodes=expert_nodes, turn=turn)
         row_ids = {task: store.row_ids(task) for task in tasks}
         missing = [task for task, ids in row_ids.items() if not ids]
         if missing:

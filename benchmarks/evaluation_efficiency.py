@@ -1,0 +1,105 @@
+"""evaluation_efficiency: wall time of `evaluate` ÷ wall time of the bare forward and generation passes it needs.
+
+Same machine, same run. `evaluate` is the evaluate stage as `darts-dist evaluate CONFIG` runs it
+(`pipeline.evaluate_stage`): models loaded, every expert's held-out and reference-answer passes, the merged
+and corrected passes, the tallies, and the task scores of the base, each expert, the merged and the corrected
+model, generated and checked. The floor is the same models' forward passes over the same batches (logits
+included) and the same greedy answers from the same generation engine, models already loaded, nothing tallied
+or checked. Defaults: the demo's models and every held-out sample, 20 scored problems per task, corrections at
+their start (the identity: answers as long as the merged model's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from common import demo_setup, emit, note, parser
+
+from darts_dist.calibrate.corrections import save_corrections_for
+from darts_dist.calibrate.loop import build_corrections
+from darts_dist.config import RunConfig, updated
+from darts_dist.evaluate.evaluator import Evaluator
+from darts_dist.evaluate.task_scores import canonical_set, completions
+from darts_dist.generation import CorrectedLM
+from darts_dist.pipeline import evaluate_stage
+from darts_dist.sources.data import tokenized
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, read_model_info, resolve_device
+from darts_dist.sources.references import ResolvedSources
+
+
+def timed(work: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def evaluation_floor(config: RunConfig, sources: ResolvedSources, merged_dir, corrections) -> dict[str, float]:
+    """Seconds of the bare passes: forwards (expert and merged over each task's held-out and reference-answer
+    batches) and generation (base, expert, merged and corrected answers to each task's scored problems)."""
+    settings = config.calibration
+    device = resolve_device(settings.device)
+    dtype = model_dtype(settings.dtype, device)
+    tokenizer = load_tokenizer(sources.base)
+    evaluator = Evaluator(config, sources.data, tokenizer, progress=False)
+    batches, problems = {}, {}
+    for task in config.tasks:
+        scorer, problems[task] = evaluator.scored_problems(task)
+        sets = [tokenized(sources.data[task], task, "heldout", settings, tokenizer)]
+        if scorer is not None and scorer.canonical_nll and problems[task]:
+            sets.append(canonical_set(problems[task], tokenizer, task))
+        batches[task] = [(b["input_ids"].to(device), b["attention_mask"].to(device))
+                         for rows in sets for b in rows.batches(settings.batch_size)]
+
+    def forwards(model, task: str) -> float:
+        return timed(lambda: [model(input_ids=ids, attention_mask=mask) for ids, mask in batches[task]])
+
+    def answers(lm: CorrectedLM, task: str, corrected: str | None) -> float:
+        scorer, _ = evaluator.scored_problems(task)
+        if scorer is None or not problems[task]:
+            return 0.0
+        return timed(lambda: completions(lm, corrected, problems[task], scorer, config.evaluation))
+
+    seconds = {"forward": 0.0, "generation": 0.0}
+    if evaluator.scores_base:
+        base = load_causal_lm(sources.base, dtype=dtype, device=device)
+        with CorrectedLM(base, tokenizer) as lm:
+            seconds["generation"] += sum(answers(lm, task, None) for task in config.tasks)
+        del base
+    merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
+    for task in config.tasks:
+        expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
+        seconds["forward"] += forwards(expert, task) + forwards(merged, task)
+        with CorrectedLM(expert, tokenizer) as lm:
+            seconds["generation"] += answers(lm, task, None)
+        del expert
+        with CorrectedLM(merged, tokenizer) as lm:
+            seconds["generation"] += answers(lm, task, None)
+        with CorrectedLM(merged, tokenizer, corrections.to(device)) as lm:
+            seconds["generation"] += answers(lm, task, task)
+    seconds["total"] = seconds["forward"] + seconds["generation"]
+    return seconds
+
+
+def main() -> None:
+    cli = parser(__doc__.splitlines()[0], samples=128, steps=1)
+    cli.add_argument("--score-limit", type=int, default=20, help="scored problems per task (evaluation.score_limit)")
+    args = cli.parse_args()
+    config, sources, merged_dir = demo_setup("evaluation", args)
+    config = updated(config, evaluation=updated(config.evaluation, score_limit=args.score_limit))
+    torch.manual_seed(0)
+    corrections = build_corrections(config.tasks, read_model_info(merged_dir).hidden_size, config.calibration)
+    path = save_corrections_for(config.run_dir / "evaluation-efficiency.safetensors", corrections, merged_dir)
+    note("timing the bare forward and generation passes")
+    floor = evaluation_floor(config, sources, merged_dir, corrections)
+    note(f"floor {floor['total']:.1f} s; now the evaluate stage")
+    wall = timed(lambda: evaluate_stage(config, sources, merged_dir, path))
+    emit("evaluation_efficiency", wall, floor["total"], "s", target_ratio=1.3,
+         floor={k: round(v, 2) for k, v in floor.items()}, score_limit=args.score_limit,
+         model="tiny" if args.tiny else "SmolLM2-135M-Instruct + demo experts")
+
+
+if __name__ == "__main__":
+    main()

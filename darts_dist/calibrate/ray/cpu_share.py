@@ -1,0 +1,82 @@
+"""How a calibration job's models share a CPU node: a rule, and turns.
+
+On a GPU cluster each expert actor and training worker has a GPU of its own and nothing here applies. On a
+CPU node they all run forward passes of the same models' size, and torch already spreads one forward over
+every core. When the node has fewer cores than model-running actors, running them all at once only adds
+contention (caches, memory bandwidth) and idles cores (a one-thread actor waiting on the stream leaves its
+core empty while the others queue for theirs): then the forwards take **turns**, one at a time on the node,
+each with all its cores, the regime of the bare forward-pass floor. With at least as many cores as actors,
+each actor gets its share of the cores and all run at once (`benchmarks/calibration_efficiency.py
+--cpu-schedule` measures both).
+
+Imports stay light (no torch at the top): the stream's Ray Data actors import this module.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import getpass
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from darts_dist.config import CpuSchedule
+
+
+def node_cores() -> int:
+    """The cores this process may run on (its affinity, which containers and taskset narrow)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    """One model-running actor's share of its CPU node."""
+
+    turns: bool  # forwards take turns node-wide (ForwardTurn), each with all the cores
+    threads: int  # torch threads for its forwards and steps
+
+
+def cpu_share(schedule: CpuSchedule, actors_per_node: int, cores: int) -> CpuShare:
+    """The rule: turns when the node's model-running actors outnumber its cores (or when asked), each with
+    every core; otherwise at once, each with its share of the cores."""
+    turns = schedule == "turns" or (schedule == "auto" and actors_per_node > cores)
+    return CpuShare(turns=turns, threads=cores if turns else max(1, cores // actors_per_node))
+
+
+def actors_per_node(num_experts: int, num_workers: int, num_nodes: int) -> int:
+    """The model-running actors (experts and training workers) a node holds when they spread evenly."""
+    return math.ceil((num_experts + num_workers) / max(1, num_nodes))
+
+
+class ForwardTurn:
+    """One model forward at a time on this machine: an exclusive lock (flock) on a file in the temp folder,
+    shared by every process of this user (the kernel hands it to one waiter at a time). The kernel releases it
+    when its holder dies: a lost actor never leaves the node locked. Disabled, it does nothing."""
+
+    def __init__(self, enabled: bool, path: Path | None = None) -> None:
+        self.enabled = enabled
+        self.path = path or Path(tempfile.gettempdir()) / f"darts-dist-forward-turn-{getpass.getuser()}.lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> ForwardTurn:
+        if self.enabled:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def take_share(share: CpuShare) -> ForwardTurn:
+    """Set this process's torch threads to its share; the turn its forwards take."""
+    import torch
+
+    torch.set_num_threads(share.threads)
+    return ForwardTurn(share.turns)
