@@ -46,9 +46,15 @@ def cpu_share(schedule: CpuSchedule, actors_per_node: int, cores: int) -> CpuSha
     return CpuShare(turns=turns, threads=cores if turns else max(1, cores // actors_per_node))
 
 
-def actors_per_node(num_experts: int, num_workers: int, num_nodes: int) -> int:
-    """The model-running actors (experts and training workers) a node holds when they spread evenly."""
-    return math.ceil((num_experts + num_workers) / max(1, num_nodes))
+def per_node(actors: int, num_nodes: int) -> int:
+    """The actors a node holds when they spread evenly over the nodes."""
+    return math.ceil(actors / max(1, num_nodes))
+
+
+def training_threads(workers_per_node: int, cores: int) -> int:
+    """A training worker's torch threads once the stream has ended: the experts are done, so the node's
+    cores go to its workers."""
+    return max(1, cores // workers_per_node)
 
 
 class ForwardTurn:

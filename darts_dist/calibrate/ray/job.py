@@ -41,7 +41,7 @@ from darts_dist.calibrate.corrections import save_corrections_for
 from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.in_process import CalibrationOutcome, calibration_sets, token_weights
 from darts_dist.calibrate.loop import CalibrationResult, StepCallback
-from darts_dist.calibrate.ray.cpu_share import actors_per_node
+from darts_dist.calibrate.ray.cpu_share import per_node
 from darts_dist.calibrate.ray.placement import (
     alive_nodes,
     custom_resources,
@@ -124,10 +124,13 @@ def local_cluster_resources(plan: JobPlan) -> dict[str, object]:
 
     CPUs are sized above the cores on purpose: on 2 cores, `num_cpus=2` left Ray Data's tasks no CPU
     next to the training worker and the stream deadlocked (DESIGN.md §4); oversubscribing logically runs.
+    No idle Python workers are started ahead (Ray starts one per logical CPU by default): the job's actors
+    start their own, and on a small machine the spares' imports took cores from the stream (~5% of the job).
     """
     bundles = job_bundles(plan.cluster, len(plan.data))
     need = sum(bundle["CPU"] for bundle in bundles) + 1
-    return {"num_cpus": max(os.cpu_count() or 1, int(need + 0.999)), "resources": custom_resources(bundles)}
+    return {"num_cpus": max(os.cpu_count() or 1, int(need + 0.999)), "resources": custom_resources(bundles),
+            "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
 
 
 @contextlib.contextmanager
@@ -239,8 +242,10 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
     fail_expert_after = _env_int(FAIL_EXPERT_AFTER)
     with ray_session(plan.address, local_cluster_resources(plan)):
         wait_for_resources(cluster, len(plan.data))
-        cpu = (cluster.cpu_schedule, actors_per_node(len(plan.data), cluster.num_workers,
-                                                     sum(1 for node in alive_nodes() if node["Resources"].get("CPU"))))
+        nodes = sum(1 for node in alive_nodes() if node["Resources"].get("CPU"))
+        # On CPU nodes: the schedule, the model-running actors a node holds, and its training workers.
+        cpu = (cluster.cpu_schedule, per_node(len(plan.data) + cluster.num_workers, nodes),
+               per_node(cluster.num_workers, nodes))
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={

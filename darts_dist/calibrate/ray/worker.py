@@ -30,7 +30,7 @@ from torch import nn
 from darts_dist.calibrate.coefficients import CoefficientModule, read_task_vectors
 from darts_dist.calibrate.features import TaskFeatures, features_only, first_decoder_layer, merged_hidden
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
-from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share
+from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share, training_threads
 from darts_dist.calibrate.ray.feature_store import FeatureStore
 from darts_dist.calibrate.ray.stream import TOKEN_FIELDS, arrivals, from_wire, target_column
 from darts_dist.config import CalibrationSection
@@ -358,7 +358,8 @@ def train_loop_per_worker(config: dict) -> None:
     if device.type == "cpu":
         # ZeRO-3's forwards gather weights from the other ranks: a rank waiting for its turn while a rank on
         # the same node holds it would never get it, so under ZeRO-3 the workers' forwards take no turns.
-        share = cpu_share(*config["cpu"], node_cores())
+        schedule, actors, _ = config["cpu"]
+        share = cpu_share(schedule, actors, node_cores())
         turn = take_share(replace(share, turns=share.turns and config["zero_stage"] != 3))
     timings = {"worker_start": started, "setup": time.time() - started}
     with tempfile.TemporaryDirectory(prefix="darts-features-") as spill_dir:
@@ -384,6 +385,8 @@ def train_loop_per_worker(config: dict) -> None:
             progress["coefficients"] = {"experts": list(merge.experts), "task_vector_bytes": merge.task_vector_bytes,
                                         "changed": list(merge.names),
                                         "owned": {e: [str(k) for k in ks] for e, ks in engine.module.owned.items()}}
+        if device.type == "cpu":
+            torch.set_num_threads(training_threads(config["cpu"][2], node_cores()))
         train_steps(engine, features, state, config, row_entropies(features, row_ids), progress, log)
 
 
