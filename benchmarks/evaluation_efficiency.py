@@ -4,8 +4,8 @@ Same machine, same run. `evaluate` is the evaluate stage as `darts-dist evaluate
 (`pipeline.evaluate_stage`): models loaded, every expert's held-out and reference-answer passes, the merged
 and corrected passes, the tallies, and the task scores of the base, each expert, the merged and the corrected
 model, generated and checked. The floor is the same models' forward passes over the same batches (logits
-included) and the same greedy answers from the same generation engine, models already loaded, nothing tallied
-or checked. Defaults: the demo's models and every held-out sample, 20 scored problems per task, corrections at
+included; for the corrected model, the LM head again on the tokens NLL counts) and the same greedy answers
+from the same generation engine, models already loaded, nothing tallied or checked. Defaults: the demo's models and every held-out sample, 20 scored problems per task, corrections at
 their start (the identity: answers as long as the merged model's).
 """
 
@@ -50,11 +50,19 @@ def evaluation_floor(config: RunConfig, sources: ResolvedSources, merged_dir, co
         sets = [tokenized(sources.data[task], task, "heldout", settings, tokenizer)]
         if scorer is not None and scorer.canonical_nll and problems[task]:
             sets.append(canonical_set(problems[task], tokenizer, task))
-        batches[task] = [(b["input_ids"].to(device), b["attention_mask"].to(device))
+        batches[task] = [(b["input_ids"].to(device), b["attention_mask"].to(device), b["response_mask"].to(device))
                          for rows in sets for b in rows.batches(settings.batch_size)]
 
     def forwards(model, task: str) -> float:
-        return timed(lambda: [model(input_ids=ids, attention_mask=mask) for ids, mask in batches[task]])
+        return timed(lambda: [model(input_ids=ids, attention_mask=mask) for ids, mask, _ in batches[task]])
+
+    def corrected_heads(model, task: str) -> float:
+        """The corrected passes' own work at the final layer: the LM head again, on the tokens NLL counts
+        (their hidden states are the merged pass's, corrected; the correction itself is not counted)."""
+        hidden = [(model.model(input_ids=ids, attention_mask=mask).last_hidden_state, counted)
+                  for ids, mask, counted in batches[task]]
+        head = model.get_output_embeddings()
+        return timed(lambda: [head(h[:, :-1][counted[:, 1:]]) for h, counted in hidden])
 
     def answers(lm: CorrectedLM, task: str, corrected: str | None) -> float:
         scorer, _ = evaluator.scored_problems(task)
@@ -71,7 +79,7 @@ def evaluation_floor(config: RunConfig, sources: ResolvedSources, merged_dir, co
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
     for task in config.tasks:
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-        seconds["forward"] += forwards(expert, task) + forwards(merged, task)
+        seconds["forward"] += forwards(expert, task) + forwards(merged, task) + corrected_heads(merged, task)
         with CorrectedLM(expert, tokenizer) as lm:
             seconds["generation"] += answers(lm, task, None)
         del expert

@@ -27,10 +27,11 @@ def test_the_rule_takes_turns_only_where_actors_outnumber_cores():
     assert cpu_share("turns", 1, 64) == CpuShare(turns=True, threads=64)
     assert cpu_share("concurrent", 4, 2) == CpuShare(turns=False, threads=1)
     # Once the stream has ended the workers get the node: one worker, every core; two on 2 cores, one each.
-    assert training_threads(per_node(1, 1), 2) == 2 and training_threads(per_node(2, 1), 2) == 1
+    assert training_threads(1, 2) == 2 and training_threads(2, 2) == 1
 
 
-def _hold(path: str, seconds: float, record: multiprocessing.Queue) -> None:
+def _hold(path: str, seconds: float, record: multiprocessing.Queue, start: multiprocessing.Barrier) -> None:
+    start.wait(60)  # all three ask for the turn at once, however slowly they started
     with ForwardTurn(True, Path(path)):
         record.put(("in", time.monotonic()))
         time.sleep(seconds)
@@ -41,7 +42,8 @@ def test_turns_exclude_each_other_across_processes(tmp_path):
     spawn = multiprocessing.get_context("spawn")
     record = spawn.Queue()
     lock = str(tmp_path / "turn.lock")
-    processes = [spawn.Process(target=_hold, args=(lock, 0.3, record)) for _ in range(3)]
+    start = spawn.Barrier(3)
+    processes = [spawn.Process(target=_hold, args=(lock, 0.3, record, start)) for _ in range(3)]
     for process in processes:
         process.start()
     for process in processes:

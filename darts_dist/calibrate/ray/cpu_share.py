@@ -51,10 +51,10 @@ def per_node(actors: int, num_nodes: int) -> int:
     return math.ceil(actors / max(1, num_nodes))
 
 
-def training_threads(workers_per_node: int, cores: int) -> int:
+def training_threads(workers_on_node: int, cores: int) -> int:
     """A training worker's torch threads once the stream has ended: the experts are done, so the node's
-    cores go to its workers."""
-    return max(1, cores // workers_per_node)
+    cores go to its workers (Ray Train's local world size)."""
+    return max(1, cores // workers_on_node)
 
 
 class ForwardTurn:
@@ -69,8 +69,13 @@ class ForwardTurn:
 
     def __enter__(self) -> ForwardTurn:
         if self.enabled:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:  # interrupted while waiting: nothing held, nothing left open
+                os.close(fd)
+                raise
+            self._fd = fd
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:

@@ -242,10 +242,10 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
     fail_expert_after = _env_int(FAIL_EXPERT_AFTER)
     with ray_session(plan.address, local_cluster_resources(plan)):
         wait_for_resources(cluster, len(plan.data))
+        # On CPU nodes: the schedule, and the model-running actors a node holds if they spread evenly (PACK may
+        # put more on one node: the share is then too large there, as it would be without the rule).
         nodes = sum(1 for node in alive_nodes() if node["Resources"].get("CPU"))
-        # On CPU nodes: the schedule, the model-running actors a node holds, and its training workers.
-        cpu = (cluster.cpu_schedule, per_node(len(plan.data) + cluster.num_workers, nodes),
-               per_node(cluster.num_workers, nodes))
+        cpu = (cluster.cpu_schedule, per_node(len(plan.data) + cluster.num_workers, nodes))
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={

@@ -16,7 +16,7 @@ import logging
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import deepspeed
@@ -357,10 +357,9 @@ def train_loop_per_worker(config: dict) -> None:
     turn = None
     if device.type == "cpu":
         # ZeRO-3's forwards gather weights from the other ranks: a rank waiting for its turn while a rank on
-        # the same node holds it would never get it, so under ZeRO-3 the workers' forwards take no turns.
-        schedule, actors, _ = config["cpu"]
-        share = cpu_share(schedule, actors, node_cores())
-        turn = take_share(replace(share, turns=share.turns and config["zero_stage"] != 3))
+        # the same node holds it would never get it, so ZeRO-3 workers run concurrently, with their share.
+        schedule, actors = config["cpu"]
+        turn = take_share(cpu_share("concurrent" if config["zero_stage"] == 3 else schedule, actors, node_cores()))
     timings = {"worker_start": started, "setup": time.time() - started}
     with tempfile.TemporaryDirectory(prefix="darts-features-") as spill_dir:
         store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
@@ -386,7 +385,7 @@ def train_loop_per_worker(config: dict) -> None:
                                         "changed": list(merge.names),
                                         "owned": {e: [str(k) for k in ks] for e, ks in engine.module.owned.items()}}
         if device.type == "cpu":
-            torch.set_num_threads(training_threads(config["cpu"][2], node_cores()))
+            torch.set_num_threads(training_threads(ray.train.get_context().get_local_world_size(), node_cores()))
         train_steps(engine, features, state, config, row_entropies(features, row_ids), progress, log)
 
 
