@@ -5,7 +5,7 @@ model on all of them, timed in this process with the models already loaded. `cal
 whole Ray job as `darts-dist calibrate CONFIG` runs it: tokenising, a local Ray cluster started
 on the fly, expert actors streaming into the training worker, the training steps, checkpoints.
 Defaults: the demo's models and data (SmolLM2-135M and its three experts), 128 samples per task, 400 steps;
-`--cpu-schedule turns|concurrent` measures either way of sharing the cores (default: the job's rule).
+`--cpu-schedule concurrent|turns` measures either way of sharing the cores (default: the job's).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
 
 def main() -> None:
     cli = parser(__doc__.splitlines()[0], samples=128, steps=400)
-    cli.add_argument("--cpu-schedule", choices=("auto", "turns", "concurrent"), default="auto",
+    cli.add_argument("--cpu-schedule", choices=("concurrent", "turns"), default="concurrent",
                      help="cluster.cpu_schedule: how the experts and the worker share this machine's cores")
     args = cli.parse_args()
     config, sources, merged = demo_setup("efficiency", args, cpu_schedule=args.cpu_schedule)

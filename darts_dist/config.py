@@ -176,7 +176,7 @@ class CalibrationSection(_Section):
         return self.weight_on if override is None or override.weight_on is None else override.weight_on
 
 
-CpuSchedule = Literal["auto", "turns", "concurrent"]
+CpuSchedule = Literal["concurrent", "turns"]
 
 
 class ClusterSection(_Section):
@@ -212,10 +212,10 @@ class ClusterSection(_Section):
     feature_memory_mb: PositiveInt = 2048
     # Object store the stream of each expert may fill before Ray Data's back-pressure pauses its actor.
     stream_buffer_mb: PositiveInt = 256
-    # How the experts and workers share a CPU node (no effect on GPUs): "turns", one model forward at a time
-    # with all the node's cores; "concurrent", all at once with a share of the cores each; "auto", turns
-    # when a node has fewer cores than model-running actors (calibrate/ray/cpu_share.py says why).
-    cpu_schedule: CpuSchedule = "auto"
+    # How the experts and workers share a CPU node (no effect on GPUs): "concurrent", all at once with a
+    # share of the cores each; "turns", one model forward at a time with all the node's cores
+    # (calibrate/ray/cpu_share.py: both measured, and why concurrent is the default).
+    cpu_schedule: CpuSchedule = "concurrent"
 
 
 class EvaluationSection(_Section):

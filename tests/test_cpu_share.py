@@ -15,17 +15,16 @@ from darts_dist.calibrate.ray.cpu_share import CpuShare, ForwardTurn, cpu_share,
 from darts_dist.config import ClusterSection
 
 
-def test_the_rule_takes_turns_only_where_actors_outnumber_cores():
-    # 3 experts + 1 worker on this 2-core kind of machine: turns, each with every core.
-    assert cpu_share("auto", per_node(3 + 1, 1), 2) == CpuShare(turns=True, threads=2)
-    # The same job on a 64-core node: all at once, 16 cores each.
-    assert cpu_share("auto", per_node(3 + 1, 1), 64) == CpuShare(turns=False, threads=16)
+def test_the_rule_shares_the_cores_and_takes_turns_only_when_asked():
+    # 3 experts + 1 worker on this 2-core kind of machine: all at once, a thread each (measured faster than turns).
+    assert cpu_share("concurrent", per_node(3 + 1, 1), 2) == CpuShare(turns=False, threads=1)
+    # The same job on a 64-core node: 16 cores each.
+    assert cpu_share("concurrent", per_node(3 + 1, 1), 64) == CpuShare(turns=False, threads=16)
     # Spread over 4 nodes of 1 core each: one actor per node, nothing to share.
     assert per_node(3 + 1, 4) == 1
-    assert cpu_share("auto", 1, 1) == CpuShare(turns=False, threads=1)
-    # Asked for, either regime holds whatever the counts.
-    assert cpu_share("turns", 1, 64) == CpuShare(turns=True, threads=64)
-    assert cpu_share("concurrent", 4, 2) == CpuShare(turns=False, threads=1)
+    assert cpu_share("concurrent", 1, 1) == CpuShare(turns=False, threads=1)
+    # Turns, asked for: every forward gets every core.
+    assert cpu_share("turns", 4, 2) == CpuShare(turns=True, threads=2)
     # Once the stream has ended the workers get the node: one worker, every core; two on 2 cores, one each.
     assert training_threads(1, 2) == 2 and training_threads(2, 2) == 1
 

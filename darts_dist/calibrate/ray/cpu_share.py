@@ -1,13 +1,15 @@
 """How a calibration job's models share a CPU node: a rule, and turns.
 
 On a GPU cluster each expert actor and training worker has a GPU of its own and nothing here applies. On a
-CPU node they all run forward passes of the same models' size, and torch already spreads one forward over
-every core. When the node has fewer cores than model-running actors, running them all at once only adds
-contention (caches, memory bandwidth) and idles cores (a one-thread actor waiting on the stream leaves its
-core empty while the others queue for theirs): then the forwards take **turns**, one at a time on the node,
-each with all its cores, the regime of the bare forward-pass floor. With at least as many cores as actors,
-each actor gets its share of the cores and all run at once (`benchmarks/calibration_efficiency.py
---cpu-schedule` measures both).
+CPU node they all run forward passes of models of the same size. Two ways to share the cores:
+**concurrent**, every actor at once with its share of the cores (the experts niced below the workers, which
+drain the stream), or **turns**, one model forward at a time on the node, each with every core (the regime of
+the bare forward-pass floor). Concurrent is the default: measured on a 2-core machine with three experts and
+a worker (`benchmarks/calibration_efficiency.py --cpu-schedule`), turns were no faster (job ÷ floor 2.17
+and 2.24 against 2.18 and 1.92 concurrently; the stream phase 1.58 and 1.76 against 1.51 and 1.39 of the
+floor): a forward spread over every core stalls whenever Ray's own processes take one of them (its threads
+wait for each other), where one-thread actors just slow down. `turns` stays for nodes where one forward at
+a time matters for other reasons (memory: only one model's activations at once).
 
 Imports stay light (no torch at the top): the stream's Ray Data actors import this module.
 """
@@ -40,9 +42,8 @@ class CpuShare:
 
 
 def cpu_share(schedule: CpuSchedule, actors_per_node: int, cores: int) -> CpuShare:
-    """The rule: turns when the node's model-running actors outnumber its cores (or when asked), each with
-    every core; otherwise at once, each with its share of the cores."""
-    turns = schedule == "turns" or (schedule == "auto" and actors_per_node > cores)
+    """Turns: each forward with every core; concurrent: each actor with its share of the cores, at least one."""
+    turns = schedule == "turns"
     return CpuShare(turns=turns, threads=cores if turns else max(1, cores // actors_per_node))
 
 
