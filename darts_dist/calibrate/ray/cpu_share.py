@@ -1,4 +1,4 @@
-"""How a calibration job's models share a CPU node: a rule, and turns.
+"""How a calibration job's models share a CPU node: all at once, or in turns.
 
 On a GPU cluster each expert actor and training worker has a GPU of its own and nothing here applies. On a
 CPU node they all run forward passes of models of the same size. Two ways to share the cores:
