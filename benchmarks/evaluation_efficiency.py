@@ -44,9 +44,10 @@ def evaluation_floor(config: RunConfig, sources: ResolvedSources, merged_dir, co
     dtype = model_dtype(settings.dtype, device)
     tokenizer = load_tokenizer(sources.base)
     evaluator = Evaluator(config, sources.data, tokenizer, progress=False)
-    batches, problems = {}, {}
+    batches, scorers, problems = {}, {}, {}
     for task in config.tasks:
-        scorer, problems[task] = evaluator.scored_problems(task)
+        scorers[task], problems[task] = evaluator.scored_problems(task)
+        scorer = scorers[task]
         sets = [tokenized(sources.data[task], task, "heldout", settings, tokenizer)]
         if scorer is not None and scorer.canonical_nll and problems[task]:
             sets.append(canonical_set(problems[task], tokenizer, task))
@@ -56,19 +57,23 @@ def evaluation_floor(config: RunConfig, sources: ResolvedSources, merged_dir, co
     def forwards(model, task: str) -> float:
         return timed(lambda: [model(input_ids=ids, attention_mask=mask) for ids, mask, _ in batches[task]])
 
-    def corrected_heads(model, task: str) -> float:
-        """The corrected passes' own work at the final layer: the LM head again, on the tokens NLL counts
-        (their hidden states are the merged pass's, corrected; the correction itself is not counted)."""
-        hidden = [(model.model(input_ids=ids, attention_mask=mask).last_hidden_state, counted)
-                  for ids, mask, counted in batches[task]]
+    def merged_and_corrected(model, task: str) -> float:
+        """The merged pass (decoder, then LM head), and the corrected passes' own work at the final layer: the LM
+        head again on the tokens NLL counts (their hidden states are the merged pass's, corrected; the
+        correction itself is not counted)."""
         head = model.get_output_embeddings()
-        return timed(lambda: [head(h[:, :-1][counted[:, 1:]]) for h, counted in hidden])
+
+        def run() -> None:
+            for ids, mask, counted in batches[task]:
+                hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+                head(hidden)
+                head(hidden[:, :-1][counted[:, 1:]])
+        return timed(run)
 
     def answers(lm: CorrectedLM, task: str, corrected: str | None) -> float:
-        scorer, _ = evaluator.scored_problems(task)
-        if scorer is None or not problems[task]:
+        if scorers[task] is None or not problems[task]:
             return 0.0
-        return timed(lambda: completions(lm, corrected, problems[task], scorer, config.evaluation))
+        return timed(lambda: completions(lm, corrected, problems[task], scorers[task], config.evaluation))
 
     seconds = {"forward": 0.0, "generation": 0.0}
     if evaluator.scores_base:
@@ -79,7 +84,7 @@ def evaluation_floor(config: RunConfig, sources: ResolvedSources, merged_dir, co
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
     for task in config.tasks:
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-        seconds["forward"] += forwards(expert, task) + forwards(merged, task) + corrected_heads(merged, task)
+        seconds["forward"] += forwards(expert, task) + merged_and_corrected(merged, task)
         with CorrectedLM(expert, tokenizer) as lm:
             seconds["generation"] += answers(lm, task, None)
         del expert
