@@ -50,7 +50,7 @@ from darts_dist.evaluate.tables import format_value
 from darts_dist.merge import merge_methods as known_merge_methods
 from darts_dist.pipeline import base_scores, merge_stage
 from darts_dist.sources.data import tokenized
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, model_identity, resolve_device
 from darts_dist.sources.references import ResolvedSources, resolve_sources
 from darts_dist.tracking.runs import Tracking, evaluation_metrics, log_config, log_evaluation
 
@@ -217,7 +217,9 @@ def task_side(index: int, ctx: Context, tune: bool, base_passes: list[bool] | No
     expert = load_causal_lm(ctx.sources.experts[task], dtype=ctx.dtype, device=ctx.device)
     data = tokenized(ctx.sources.data[task], task, "calibration", settings, ctx.evaluator.tokenizer)
     features = collect_features(task, index, data, expert, None, layers, settings.batch_size, ctx.progress)
-    side = TaskSide(calibration=data, features=features, expert=ctx.evaluator.expert_side(index, expert, tune, base_passes))
+    identity = model_identity(ctx.sources.experts[task], ctx.dtype, ctx.device)
+    side = TaskSide(calibration=data, features=features,
+                    expert=ctx.evaluator.expert_side(index, expert, tune, base_passes, identity))
     logger.info("expert %s: features, held-out outputs and task score done", task)
     del expert
     gc.collect()
@@ -229,14 +231,16 @@ def with_targets(features: TaskFeatures, layers: Sequence[LayerKey]) -> TaskFeat
     return replace(features, targets={k: features.targets[k] for k in layers})
 
 
-def merge_sides(merged: PreTrainedModel, sides: Sequence[TaskSide], ctx: Context) -> MergeSides:
-    """The merged model over every task's sets, and over its calibration sets at the final representation
-    (feature-mode variants train on those states)."""
+def merge_sides(merged: PreTrainedModel, merged_dir: Path, sides: Sequence[TaskSide], ctx: Context) -> MergeSides:
+    """The merged model (loaded from `merged_dir`) over every task's sets, and over its calibration sets at the
+    final representation (feature-mode variants train on those states)."""
     settings = ctx.config.calibration
+    identity = model_identity(merged_dir, ctx.dtype, ctx.device)
     features = [replace(side.features, merged=collect_merged(side.expert.task, side.calibration, merged, ["final"],
                                                              settings.batch_size, ctx.progress))
                 for side in sides]
-    return MergeSides(features, [(side.expert, ctx.evaluator.merged_side(merged, side.expert)) for side in sides])
+    return MergeSides(features, [(side.expert, ctx.evaluator.merged_side(merged, side.expert, identity))
+                                 for side in sides])
 
 
 def variant_features(features: Sequence[TaskFeatures], settings: CalibrationSection) -> list[TaskFeatures]:
@@ -324,7 +328,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         if headline:  # the router of the headline merge: its accuracy and DARTS's routed scores
             router_report = fit_run_router(config, sources.data, merged_dir, evaluator.layer, model=merged)
             router = TaskRouter.load(Path(router_report["path"]))
-        sides = merge_sides(merged, experts, ctx)
+        sides = merge_sides(merged, merged_dir, experts, ctx)
         tuned_here = plan.trials > 0 and trials is None
         if tuned_here:  # on the headline merge; the others reuse its winners, so merges compare at equal settings
             variants, trials = tune(plan, merged, sides, ctx)

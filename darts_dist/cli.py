@@ -222,6 +222,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
         seconds = state.report["seconds"]
         console.print("time per stage: " + ", ".join(f"{stage} {value:.0f} s" for stage, value in seconds.items())
                       + f"; total {sum(seconds.values()):.0f} s")
+        if "evaluation_cache" in state.report:
+            console.print("output cache (evaluation.cache: the base's, experts' and merge's passes kept between runs): "
+                          "{hits} read back, {misses} computed".format(**state.report["evaluation_cache"]))
         _finish(state.report, args.report, config.run_dir / "report.json", tracking)
 
 

@@ -229,6 +229,10 @@ class EvaluationSection(_Section):
     # Also score the base model (before fine-tuning) on each task: what the experts learnt, the yardstick
     # of the merge's loss. One more model's answers per task.
     score_base: bool = True
+    # Keep what the base, the experts and the merge compute (held-out passes, greedy answers, the router's
+    # features) in the cache folder, keyed by their weights' content hash and everything else the result
+    # depends on, so a repeat run reads them back (sources.output_cache). Corrected outputs are never kept.
+    cache: bool = True
 
 
 class TrackingSection(_Section):

@@ -41,7 +41,15 @@ from darts_dist.evaluate.plots import (
 )
 from darts_dist.fsutil import atomic_file
 from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, non_finite_tensors, resolve_device
+from darts_dist.sources.models import (
+    load_causal_lm,
+    load_tokenizer,
+    model_dtype,
+    model_identity,
+    non_finite_tensors,
+    resolve_device,
+)
+from darts_dist.sources.output_cache import OutputCache
 from darts_dist.sources.references import ResolvedSources, resolve_sources
 from darts_dist.tracking.registry import (
     DECISION_TAG,
@@ -106,7 +114,7 @@ def base_scores(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device
     if not evaluator.scores_base:
         return {}
     base = load_causal_lm(base_dir, dtype=dtype, device=device)
-    passes = evaluator.base_passes(base)
+    passes = evaluator.base_passes(base, model_identity(base_dir, dtype, device))
     del base
     gc.collect()
     return passes
@@ -114,12 +122,13 @@ def base_scores(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device
 
 def evaluate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None,
-    router_path: Path | None = None,
+    router_path: Path | None = None, cache: OutputCache | None = None,
 ) -> dict[str, object]:
     """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert (and routed, with a router).
 
     The corrections apply to config.model_dir: the merged model, or the learned merge, which is then judged
-    (with its corrections, if any) against the merged model it started from.
+    (with its corrections, if any) against the merged model it started from. The base's, experts' and merged
+    model's passes go through the output cache (`cache`, or the cache folder's; none with evaluation.cache off).
     """
     settings = config.calibration
     missing = [t for t in config.tasks if sources.data[t].heldout is None]
@@ -133,7 +142,7 @@ def evaluate_stage(
     if corrections_path is not None:
         corrections = load_corrections_for(corrections_path, model_dir, config.tasks).to(device)
         router = None if router_path is None else TaskRouter.load(router_path)
-    evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base))
+    evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), cache=cache)
     base_passes = base_scores(evaluator, sources.base, dtype, device)
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
 
@@ -142,10 +151,11 @@ def evaluate_stage(
         # and one task's passes.
         for index, task in enumerate(config.tasks):
             expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-            side = evaluator.expert_side(index, expert, base_passes=base_passes.get(task))
+            side = evaluator.expert_side(index, expert, base_passes=base_passes.get(task),
+                                         identity=model_identity(sources.experts[task], dtype, device))
             del expert
             gc.collect()
-            yield side, evaluator.merged_side(merged, side)
+            yield side, evaluator.merged_side(merged, side, model_identity(merged_dir, dtype, device))
 
     candidate = None if model_dir == merged_dir else load_causal_lm(model_dir, dtype=dtype, device=device)
     return evaluator.evaluate(merged, corrections, sides(), router=router, candidate=candidate)
@@ -366,9 +376,12 @@ def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, objec
     # Routed scores come from the router the calibration fit next to its corrections, where there is one.
     router = state.config.run_dir / ROUTER_FILE
     router = router if corrections is not None and router.is_file() else None
+    cache = OutputCache()
     with state.timed("evaluation"):
-        evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router)
+        evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router, cache)
     state.report["variants"] = {"darts": evaluation}
+    if state.config.evaluation.cache:  # what a repeat run read back: the base's, experts' and merge's passes
+        state.report["evaluation_cache"] = cache.counts()
     plots = evaluation_plots(evaluation, state.config.run_dir / "plots")
     state.report["plots"].update({name: str(path) for name, path in plots.items()})
     tracking = state.tracking

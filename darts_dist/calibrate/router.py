@@ -3,7 +3,7 @@ the merged model's mean-pooled prompt states, standardised."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,16 @@ from darts_dist.config import RunConfig
 from darts_dist.core import ROUTER_FILE, LayerKey, TaskRouter
 from darts_dist.errors import DartsError
 from darts_dist.sources.data import TaskFiles, detect_format, prompts_of, split_rows
-from darts_dist.sources.models import encode_prompt, load_causal_lm, load_tokenizer, model_dtype, pad_id, resolve_device
+from darts_dist.sources.models import (
+    encode_prompt,
+    load_causal_lm,
+    load_tokenizer,
+    model_dtype,
+    model_identity,
+    pad_id,
+    resolve_device,
+)
+from darts_dist.sources.output_cache import OutputCache, digest
 
 
 def fit_router(
@@ -65,14 +74,20 @@ def task_prompts(
 
 
 def _labelled_features(
-    tasks: Sequence[str], prompts: Mapping[str, list[list[int]]], model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase, layer: LayerKey, batch_size: int,
+    tasks: Sequence[str], prompts: Mapping[str, list[list[int]]], model: Callable[[], PreTrainedModel],
+    tokenizer: PreTrainedTokenizerBase, layer: LayerKey, batch_size: int, cache: OutputCache | None, identity: str,
 ) -> tuple[Tensor, Tensor]:
-    """Pooled features of every task's prompts, with the task's index as the label."""
+    """Pooled features of every task's prompts, with the task's index as the label; through the output cache
+    when there is one (the merged model's features of the same prompts do not change between runs), so `model`
+    is only called (loaded) for features not kept yet."""
     features, labels = [], []
     for index, task in enumerate(tasks):
         if prompts.get(task):
-            features.append(prompt_features(model, prompts[task], layer, pad_id(tokenizer), batch_size))
+            def compute(task: str = task) -> dict[str, Tensor]:
+                return {"features": prompt_features(model(), prompts[task], layer, pad_id(tokenizer), batch_size)}
+
+            key = digest("prompt_features", identity, str(layer), batch_size, pad_id(tokenizer), prompts[task])
+            features.append(compute()["features"] if cache is None else cache.tensors(key, compute)["features"])
             labels.append(torch.full((len(prompts[task]),), index, dtype=torch.long))
     return torch.cat(features), torch.cat(labels)
 
@@ -90,14 +105,21 @@ def fit_run_router(
     settings, tasks = config.calibration, config.tasks
     path = config.run_dir / ROUTER_FILE
     tokenizer = load_tokenizer(merged_dir)
-    if model is None:  # a caller that holds the merged model already passes it
-        device = resolve_device(settings.device)
-        model = load_causal_lm(merged_dir, dtype=model_dtype(settings.dtype, device), device=device)
+    device = resolve_device(settings.device)
+    dtype = model_dtype(settings.dtype, device)
+    cache = OutputCache() if config.evaluation.cache else None
+    identity = model_identity(merged_dir, dtype, device) if cache is not None else ""
+    loaded = [] if model is None else [model]  # a caller that holds the merged model already passes it
+
+    def merged() -> PreTrainedModel:
+        if not loaded:
+            loaded.append(load_causal_lm(merged_dir, dtype=dtype, device=device))
+        return loaded[0]
 
     def labelled(split: str) -> tuple[Tensor, Tensor]:
         prompts = {task: task_prompts(data[task], split, config, tokenizer) for task in tasks
                    if split != "heldout" or data[task].heldout is not None}
-        return _labelled_features(tasks, prompts, model, tokenizer, layer, settings.batch_size)
+        return _labelled_features(tasks, prompts, merged, tokenizer, layer, settings.batch_size, cache, identity)
 
     features, labels = labelled("calibration")
     router = fit_router(features, labels, tasks, layer, threshold=config.serve.router_threshold)
@@ -111,4 +133,6 @@ def fit_run_router(
         report["per_task"] = {task: router.accuracy(features[labels == i], labels[labels == i])
                               for i, task in enumerate(tasks) if (labels == i).any()}
         report["below_threshold"] = float((router.route(features).task < 0).float().mean())
+    if cache is not None:
+        report["output_cache"] = cache.counts()
     return report

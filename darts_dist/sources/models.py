@@ -8,6 +8,7 @@ milliseconds with a message naming it, not minutes later inside a merge.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -348,6 +349,22 @@ def content_hash(path: Path) -> str:
             with atomic_file(remembered) as tmp:
                 tmp.write_text(value)
     return value
+
+
+def model_identity(path: Path, dtype: torch.dtype, device: torch.device) -> str:
+    """What a model's outputs depend on besides its input: its weights (content hash), the device type and dtype
+    it runs in, and the code that runs it: darts-dist's own source (any edit counts), torch and transformers
+    (the key of the output cache, `sources.output_cache`)."""
+    import transformers
+
+    return (f"{content_hash(path)}:{device.type}:{str(dtype).removeprefix('torch.')}:darts-dist {_source_hash()}:"
+            f"torch {torch.__version__}:transformers {transformers.__version__}")
+
+
+@functools.cache
+def _source_hash() -> str:
+    package = Path(__file__).absolute().parent.parent
+    return _hash_files(sorted(package.rglob("*.py")))
 
 
 def _hash_files(files: list[Path]) -> str:
