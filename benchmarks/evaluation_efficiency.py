@@ -106,9 +106,12 @@ def evaluation_floor(config: RunConfig, sources: ResolvedSources, merged_dir, co
 def main() -> None:
     cli = parser(__doc__.splitlines()[0], samples=128, steps=1)
     cli.add_argument("--score-limit", type=int, default=20, help="scored problems per task (evaluation.score_limit)")
+    cli.add_argument("--executor", choices=("in-process", "ray"), default="in-process",
+                     help="evaluation.executor: one model after another here, or each in a Ray actor of its own")
     args = cli.parse_args()
     config, sources, merged_dir = demo_setup("evaluation", args)
-    config = updated(config, evaluation=updated(config.evaluation, score_limit=args.score_limit))
+    config = updated(config, evaluation=updated(config.evaluation, score_limit=args.score_limit,
+                                                executor=args.executor))
     torch.manual_seed(0)
     corrections = build_corrections(config.tasks, read_model_info(merged_dir).hidden_size, config.calibration)
     path = save_corrections_for(config.run_dir / "evaluation-efficiency.safetensors", corrections, merged_dir)
@@ -121,12 +124,12 @@ def main() -> None:
         wall = timed(lambda: evaluate_stage(config, sources, merged_dir, path, cache=first))
         emit("evaluation_efficiency", wall, floor["total"], "s", target_ratio=1.3,
              floor={k: round(v, 2) for k, v in floor.items()}, score_limit=args.score_limit, model=model,
-             output_cache=first.counts())
+             executor=args.executor, output_cache=first.counts())
         note(f"evaluate {wall:.1f} s (output cache filled); now a repeat on that cache")
         repeat = OutputCache(Path(folder))
         again = timed(lambda: evaluate_stage(config, sources, merged_dir, path, cache=repeat))
         emit("evaluation_repeat", again, wall, "s", score_limit=args.score_limit, model=model,
-             output_cache=repeat.counts())
+             executor=args.executor, output_cache=repeat.counts())
 
 
 if __name__ == "__main__":

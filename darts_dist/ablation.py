@@ -50,7 +50,7 @@ from darts_dist.evaluate.tables import format_value
 from darts_dist.merge import merge_methods as known_merge_methods
 from darts_dist.pipeline import base_scores, merge_stage
 from darts_dist.sources.data import tokenized
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, model_identity, resolve_device
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources, resolve_sources
 from darts_dist.tracking.runs import Tracking, evaluation_metrics, log_config, log_evaluation
 
@@ -217,7 +217,7 @@ def task_side(index: int, ctx: Context, tune: bool, base_passes: list[bool] | No
     expert = load_causal_lm(ctx.sources.experts[task], dtype=ctx.dtype, device=ctx.device)
     data = tokenized(ctx.sources.data[task], task, "calibration", settings, ctx.evaluator.tokenizer)
     features = collect_features(task, index, data, expert, None, layers, settings.batch_size, ctx.progress)
-    identity = model_identity(ctx.sources.experts[task], ctx.dtype, ctx.device)
+    identity = ctx.evaluator.identity(ctx.sources.experts[task], ctx.dtype, ctx.device)
     side = TaskSide(calibration=data, features=features,
                     expert=ctx.evaluator.expert_side(index, expert, tune, base_passes, identity))
     logger.info("expert %s: features, held-out outputs and task score done", task)
@@ -235,12 +235,13 @@ def merge_sides(merged: PreTrainedModel, merged_dir: Path, sides: Sequence[TaskS
     """The merged model (loaded from `merged_dir`) over every task's sets, and over its calibration sets at the
     final representation (feature-mode variants train on those states)."""
     settings = ctx.config.calibration
-    identity = model_identity(merged_dir, ctx.dtype, ctx.device)
+    identity = ctx.evaluator.identity(merged_dir, ctx.dtype, ctx.device)
     features = [replace(side.features, merged=collect_merged(side.expert.task, side.calibration, merged, ["final"],
                                                              settings.batch_size, ctx.progress))
                 for side in sides]
-    return MergeSides(features, [(side.expert, ctx.evaluator.merged_side(merged, side.expert, identity))
-                                 for side in sides])
+    plain = [ctx.evaluator.merged_side(merged, side.expert.index, bool(side.expert.validation), identity)
+             for side in sides]
+    return MergeSides(features, [(side.expert, outputs) for side, outputs in zip(sides, plain)])
 
 
 def variant_features(features: Sequence[TaskFeatures], settings: CalibrationSection) -> list[TaskFeatures]:

@@ -233,6 +233,11 @@ class EvaluationSection(_Section):
     # features) in the cache folder, keyed by their weights' content hash and everything else the result
     # depends on, so a repeat run reads them back (sources.output_cache). Corrected outputs are never kept.
     cache: bool = True
+    # Where the models' passes run: "ray", each model (base, experts, merge) in a Ray actor of its own with an
+    # expert actor's resources (a GPU each with cluster.use_gpu), all at once; "in-process", one model after
+    # another in this process; "auto": Ray when calibration runs on Ray with GPUs (on CPU nodes the actors
+    # would only split the same cores: evaluate.on_ray).
+    executor: Literal["auto", "ray", "in-process"] = "auto"
 
 
 class TrackingSection(_Section):

@@ -22,16 +22,23 @@ import torch
 import yaml
 
 from darts_dist.calibrate.coefficients import COEFFICIENTS_FILE, fit_in_process, learned_merge
-from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.calibrate.in_process import CalibrationOutcome, calibrate_stage
 from darts_dist.calibrate.layers import with_concrete_layers
 from darts_dist.calibrate.ray.job import calibrate_distributed, fit_coefficients_distributed
 from darts_dist.calibrate.ray.placement import placement_tags
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import RUN_CONFIG_FILE, RunConfig
-from darts_dist.core import ROUTER_FILE, TaskRouter, read_header
+from darts_dist.core import ROUTER_FILE, read_header
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, headline_layer
+from darts_dist.evaluate.evaluator import (
+    Evaluator,
+    ExpertSide,
+    MergedSide,
+    headline_layer,
+    judged_artifacts,
+    scores_base,
+)
+from darts_dist.evaluate.on_ray import evaluate_on_ray, uses_ray
 from darts_dist.evaluate.plots import (
     plot_bias_by_position,
     plot_coefficients,
@@ -45,7 +52,6 @@ from darts_dist.sources.models import (
     load_causal_lm,
     load_tokenizer,
     model_dtype,
-    model_identity,
     non_finite_tensors,
     resolve_device,
 )
@@ -114,7 +120,7 @@ def base_scores(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device
     if not evaluator.scores_base:
         return {}
     base = load_causal_lm(base_dir, dtype=dtype, device=device)
-    passes = evaluator.base_passes(base, model_identity(base_dir, dtype, device))
+    passes = evaluator.base_passes(base, evaluator.identity(base_dir, dtype, device))
     del base
     gc.collect()
     return passes
@@ -135,16 +141,19 @@ def evaluate_stage(
     if missing:
         raise DartsError(f"tasks {missing} have no held-out data to evaluate on",
                          "set sources.experts[...].data.heldout for each task")
+    if uses_ray(config):
+        result = evaluate_on_ray(config, sources.data, sources.base, sources.experts, merged_dir, corrections_path,
+                                 router_path, scores_base(config, sources.data), cache)
+        if result is not None:  # None: `auto` found no room for an actor per model
+            return result
     device = resolve_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
-    corrections = router = None
-    model_dir = config.model_dir if config.calibration.method != "darts" else merged_dir
-    if corrections_path is not None:
-        corrections = load_corrections_for(corrections_path, model_dir, config.tasks).to(device)
-        router = None if router_path is None else TaskRouter.load(router_path)
+    corrections, router, model_dir = judged_artifacts(config, merged_dir, corrections_path, router_path)
+    corrections = None if corrections is None else corrections.to(device)
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), cache=cache)
     base_passes = base_scores(evaluator, sources.base, dtype, device)
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
+    merged_identity = evaluator.identity(merged_dir, dtype, device)
 
     def sides() -> Iterator[tuple[ExpertSide, MergedSide]]:
         # One task at a time, its expert let go before the next: peak memory is the merged model, one expert
@@ -152,10 +161,10 @@ def evaluate_stage(
         for index, task in enumerate(config.tasks):
             expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
             side = evaluator.expert_side(index, expert, base_passes=base_passes.get(task),
-                                         identity=model_identity(sources.experts[task], dtype, device))
+                                         identity=evaluator.identity(sources.experts[task], dtype, device))
             del expert
             gc.collect()
-            yield side, evaluator.merged_side(merged, side, model_identity(merged_dir, dtype, device))
+            yield side, evaluator.merged_side(merged, index, identity=merged_identity)
 
     candidate = None if model_dir == merged_dir else load_causal_lm(model_dir, dtype=dtype, device=device)
     return evaluator.evaluate(merged, corrections, sides(), router=router, candidate=candidate)

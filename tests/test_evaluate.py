@@ -40,7 +40,7 @@ def setup(tiny_family, tmp_path_factory):
         for p in corrections.parameters():
             p.add_(0.1 * torch.randn_like(p))
     side = evaluator.expert_side(1, expert)
-    pairs = [(side, evaluator.merged_side(merged, side))]
+    pairs = [(side, evaluator.merged_side(merged, side.index))]
     return merged, evaluator, pairs, data, corrections
 
 

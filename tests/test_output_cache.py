@@ -106,10 +106,13 @@ def family(tiny_family):
     return config, files, corrections
 
 
-def _evaluate(tiny_family, family, cache: OutputCache, expert_path: Path | None = None) -> tuple[dict, int, int]:
+def _evaluate(tiny_family, family, cache: OutputCache, expert_path: Path | None = None,
+              config=None) -> tuple[dict, int, int]:
     """A whole evaluation of the math task (base answers, expert and merged sides, corrections judged) with fresh
-    models; returns the results and how often the expert and the merged model ran outside the corrected passes."""
-    config, files, corrections = family
+    models; returns the results and how often the base and expert, and the merged model, ran outside the corrected
+    passes."""
+    default, files, corrections = family
+    config = config or default
     cpu, fp32 = torch.device("cpu"), torch.float32
     expert_path = expert_path or tiny_family.experts["math"]
     base, expert, merged = (load_causal_lm(p) for p in (tiny_family.base, expert_path, tiny_family.experts["code"]))
@@ -117,7 +120,7 @@ def _evaluate(tiny_family, family, cache: OutputCache, expert_path: Path | None 
     expert_runs, merged_runs = ForwardCount(base, expert), ForwardCount(merged)
     base_passes = evaluator.base_passes(base, model_identity(tiny_family.base, fp32, cpu))["math"]
     side = evaluator.expert_side(1, expert, base_passes=base_passes, identity=model_identity(expert_path, fp32, cpu))
-    plain = evaluator.merged_side(merged, side, model_identity(tiny_family.experts["code"], fp32, cpu))
+    plain = evaluator.merged_side(merged, 1, identity=model_identity(tiny_family.experts["code"], fp32, cpu))
     counted = (expert_runs.calls, merged_runs.calls)
     return evaluator.evaluate(merged, corrections, [(side, plain)]), *counted
 
@@ -135,10 +138,11 @@ def test_a_repeat_evaluation_reads_back_the_same_numbers_without_running_the_mod
     assert first["tasks"]["math"]["score_n"] == 3 and "nll_corrected" in first["tasks"]["math"]
 
     # Without the cache (config) everything runs and gives the same numbers.
-    config, files, corrections = family
+    config = family[0]
     off = parse_config(config.model_dump(mode="json") | {"evaluation": {**config.evaluation.model_dump(),
                                                                          "cache": False}})
-    assert Evaluator(off, files, build_tiny_tokenizer(), progress=False, cache=cache).cache is None
+    uncached, expert_runs, merged_runs = _evaluate(tiny_family, family, cache, config=off)
+    assert expert_runs > 0 and merged_runs > 0 and uncached == first
 
 
 def test_another_expert_misses_the_cache(tiny_family, family, tmp_path: Path) -> None:

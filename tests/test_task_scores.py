@@ -146,7 +146,7 @@ def evaluated(
     # The "base": another model than every other here (the math expert), scored in a pass of its own.
     base_passes = evaluator.base_passes(load_causal_lm(tiny_family.experts["math"]))[task]
     side = evaluator.expert_side(tasks.index(task), expert, base_passes=base_passes)
-    pairs = [(side, evaluator.merged_side(merged, side))]
+    pairs = [(side, evaluator.merged_side(merged, side.index))]
     return evaluator.evaluate(merged, corrections, pairs, router=router)["tasks"][task]
 
 

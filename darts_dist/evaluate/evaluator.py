@@ -10,14 +10,16 @@ judges new corrections against the same experts and merge without running them a
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.config import RunConfig
 from darts_dist.core import DartsCorrections, LayerKey, TaskRouter, TokenizedSet
 from darts_dist.evaluate.passes import Outputs, Reference, TaskTally, corrected_outputs, merged_outputs, reference
@@ -35,10 +37,30 @@ from darts_dist.evaluate.task_scores import (
 )
 from darts_dist.generation import CorrectedLM
 from darts_dist.sources.data import TaskFiles, tokenized
+from darts_dist.sources.models import model_identity
 from darts_dist.sources.output_cache import OutputCache, digest
 
 logger = logging.getLogger(__name__)
 SPLITS = ("heldout", "validation")
+
+
+def judged_artifacts(
+    config: RunConfig, merged_dir: Path, corrections_path: Path | None, router_path: Path | None,
+) -> tuple[DartsCorrections | None, TaskRouter | None, Path]:
+    """What an evaluation judges: the corrections (on the CPU) and router, and the model they apply to
+    (config.model_dir: the merged model, or the learned merge of merge_coefficients methods)."""
+    model_dir = config.model_dir if config.calibration.method != "darts" else merged_dir
+    if corrections_path is None:
+        return None, None, model_dir
+    corrections = load_corrections_for(corrections_path, model_dir, config.tasks)
+    return corrections, None if router_path is None else TaskRouter.load(router_path), model_dir
+
+
+def scores_base(config: RunConfig, data: Mapping[str, TaskFiles]) -> bool:
+    """Whether the base model's task scores are asked for and some task has a scorer to give them."""
+    evaluation = config.evaluation
+    return evaluation.score_base and evaluation.score_limit != 0 and any(
+        scorer_named(files.scorer) is not None for files in data.values())
 
 
 def headline_layer(layers: Sequence[LayerKey]) -> LayerKey:
@@ -60,6 +82,14 @@ class ExpertSide:
     passes: list[bool] | None  # the expert's own task score, problem by problem
     base_passes: list[bool] | None  # the base model's (before fine-tuning) on the same problems
 
+    def to(self, device: torch.device) -> ExpertSide:
+        """The side with its passes' tensors on `device`."""
+        return replace(self, **{name: [ref.to(device) for ref in getattr(self, name)]
+                                for name in ("heldout", "validation", "canonical")})
+
+    def with_base(self, base_passes: list[bool] | None) -> ExpertSide:
+        return replace(self, base_passes=base_passes)
+
 
 @dataclass
 class MergedSide:
@@ -69,6 +99,11 @@ class MergedSide:
     validation: list[Outputs]
     canonical: list[Outputs]
     passes: list[bool] | None
+
+    def to(self, device: torch.device) -> MergedSide:
+        """The side with its outputs' tensors on `device`."""
+        return replace(self, **{name: [out.to(device) for out in getattr(self, name)]
+                                for name in ("heldout", "validation", "canonical")})
 
 
 class Evaluator:
@@ -88,10 +123,12 @@ class Evaluator:
 
     @property
     def scores_base(self) -> bool:
-        """Whether the base model's task scores are asked for and some task has a scorer to give them."""
-        evaluation = self.config.evaluation
-        return evaluation.score_base and evaluation.score_limit != 0 and any(
-            scorer_named(files.scorer) is not None for files in self.data.values())
+        return scores_base(self.config, self.data)
+
+    def identity(self, path: Path, dtype: torch.dtype, device: torch.device) -> str | None:
+        """The model folder's `model_identity`, the key of its cached passes; None with the cache off (nothing
+        is hashed then)."""
+        return None if self.cache is None else model_identity(path, dtype, device)
 
     def _references(
         self, expert: PreTrainedModel, data: TokenizedSet | None, desc: str, identity: str | None,
@@ -110,14 +147,17 @@ class Evaluator:
                      data.response_mask)
         return self.cache.records(key, compute, Reference, next(expert.parameters()).device)
 
-    def _outputs(self, merged: PreTrainedModel, refs: Sequence[Reference], identity: str | None) -> list[Outputs]:
-        def compute() -> list[Outputs]:
-            return [merged_outputs(merged, ref, self.layer) for ref in refs]
+    def _outputs(self, merged: PreTrainedModel, data: TokenizedSet | None, identity: str | None) -> list[Outputs]:
+        if data is None:
+            return []
+        size = self.config.calibration.batch_size
 
-        if self.cache is None or identity is None or not refs:
+        def compute() -> list[Outputs]:
+            return [merged_outputs(merged, batch, self.layer) for batch in data.batches(size)]
+
+        if self.cache is None or identity is None:
             return compute()
-        key = digest("outputs", identity, str(self.layer), *(t for ref in refs for t in (ref.input_ids,
-                                                                                        ref.attention_mask)))
+        key = digest("outputs", identity, str(self.layer), size, data.input_ids, data.attention_mask)
         return self.cache.records(key, compute, Outputs, next(merged.parameters()).device)
 
     def _answers(
@@ -131,16 +171,15 @@ class Evaluator:
         if self.cache is None or identity is None:
             return problem_passes(lm, None, problems, scorer, settings, desc=label, progress=self.progress)
         key = digest("answers", identity, scorer.name, settings.max_new_tokens or scorer.max_new_tokens, scorer.stop,
-                     settings.generation_batch_size, settings.sandbox_timeout)
+                     sorted(lm.eos_ids), settings.generation_batch_size, settings.sandbox_timeout)
 
         def answer(missing: list[int]) -> list[bool]:
             return problem_passes(lm, None, [problems[i] for i in missing], scorer, settings, label, self.progress)
 
-        # A problem is its question and what passes (answer, tests): the same question checked otherwise misses.
-        return self.cache.entries(key, [digest(dataclasses.asdict(p)) for p in problems], answer)
-
-    def _passes(self, lm: CorrectedLM, side: ExpertSide, model: str, identity: str | None) -> list[bool] | None:
-        return self._answers(lm, side.scorer, side.problems, f"{model} answers {side.task}", identity)
+        # A problem is its question as the model reads it (token ids: the tokenizer and chat template count) and
+        # what passes (answer, tests): the same question checked otherwise misses.
+        items = [digest(lm.encode_chat(p.messages) if p.messages else lm.encode(p.prompt), asdict(p)) for p in problems]
+        return self.cache.entries(key, items, answer)
 
     def scored_problems(self, task: str) -> tuple[Scorer | None, list[Problem]]:
         """A task's scorer and its held-out problems (none when the task has no scorer or the limit is 0)."""
@@ -155,6 +194,19 @@ class Evaluator:
             return {task: self._answers(lm, *self.scored_problems(task), f"base answers {task}", identity)
                     for task in self.config.tasks}
 
+    def task_sets(self, index: int, validation: bool = False) -> dict[str, TokenizedSet | None]:
+        """Task `index`'s token sets: held-out, validation (when asked for) and its problems' reference answers
+        (scorers with canonical NLL); None where there is none."""
+        task = self.config.tasks[index]
+        files, settings = self.data[task], self.config.calibration
+        scorer, problems = self.scored_problems(task)
+        return {
+            "heldout": tokenized(files, task, "heldout", settings, self.tokenizer),
+            "validation": tokenized(files, task, "validation", settings, self.tokenizer) if validation else None,
+            "canonical": (canonical_set(problems, self.tokenizer, task)
+                          if scorer is not None and scorer.canonical_nll and problems else None),
+        }
+
     def expert_side(
         self, index: int, expert: PreTrainedModel, validation: bool = False, base_passes: list[bool] | None = None,
         identity: str | None = None,
@@ -163,39 +215,34 @@ class Evaluator:
         `base_passes` are the base model's answers to the same problems (`Evaluator.base_passes`), reported beside
         the expert's. `identity` (`model_identity`): the expert's passes and answers go through the output cache."""
         task = self.config.tasks[index]
-        files, settings = self.data[task], self.config.calibration
         scorer, problems = self.scored_problems(task)
-        canonical = (canonical_set(problems, self.tokenizer, task)
-                     if scorer is not None and scorer.canonical_nll and problems else None)
-        side = ExpertSide(
-            task=task,
-            index=index,
-            heldout=self._references(expert, tokenized(files, task, "heldout", settings, self.tokenizer),
-                                     f"expert {task}", identity),
-            validation=self._references(expert, tokenized(files, task, "validation", settings, self.tokenizer)
-                                        if validation else None, f"expert {task} validation", identity),
-            scorer=scorer,
-            problems=problems,
-            canonical=self._references(expert, canonical, f"expert {task} solutions", identity),
-            passes=None,
-            base_passes=base_passes,
-        )
+        sets = self.task_sets(index, validation)
+        labels = {"heldout": f"expert {task}", "validation": f"expert {task} validation",
+                  "canonical": f"expert {task} solutions"}
+        side = ExpertSide(task=task, index=index, scorer=scorer, problems=problems, passes=None,
+                          base_passes=base_passes,
+                          **{name: self._references(expert, data, labels[name], identity) for name, data in sets.items()})
         with CorrectedLM(expert, self.tokenizer) as lm:
-            side.passes = self._passes(lm, side, "expert", identity)
+            side.passes = self._answers(lm, scorer, problems, f"expert answers {task}", identity)
         return side
 
-    def merged_side(self, merged: PreTrainedModel, side: ExpertSide, identity: str | None = None) -> MergedSide:
-        """The merged model over one task's sets, and its task score (through the output cache with `identity`)."""
-        outputs = {name: self._outputs(merged, getattr(side, name), identity)
-                   for name in ("heldout", "validation", "canonical")}
+    def merged_side(
+        self, merged: PreTrainedModel, index: int, validation: bool = False, identity: str | None = None,
+    ) -> MergedSide:
+        """The merged model over task `index`'s sets (the expert side's rows: it does not need the expert's
+        passes) and its task score, through the output cache with `identity`."""
+        task = self.config.tasks[index]
+        outputs = {name: self._outputs(merged, data, identity) for name, data in self.task_sets(index, validation).items()}
         with CorrectedLM(merged, self.tokenizer) as lm:
-            passes = self._passes(lm, side, "merged", identity)
+            passes = self._answers(lm, *self.scored_problems(task), f"merged answers {task}", identity)
         return MergedSide(passes=passes, **outputs)
 
     def _judged(self, ref: Reference, plain: Outputs, merged: PreTrainedModel, candidate: PreTrainedModel,
                 corrections: DartsCorrections | None, index: int) -> Outputs:
         """The candidate's outputs on one batch, under task `index`'s correction where there are corrections."""
-        own = plain if candidate is merged else merged_outputs(candidate, ref, self.layer)
+        own = plain if candidate is merged else merged_outputs(candidate, {"input_ids": ref.input_ids,
+                                                                           "attention_mask": ref.attention_mask},
+                                                               self.layer)
         return own if corrections is None else corrected_outputs(candidate, ref, own, corrections, index, self.layer)
 
     def _tally(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,9 @@ class Reference:
     nll: torch.Tensor
     nll_mask: torch.Tensor
 
+    def to(self, device: torch.device) -> Reference:
+        return Reference(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
 
 @dataclass
 class Outputs:
@@ -76,6 +79,9 @@ class Outputs:
 
     hidden: torch.Tensor
     nll: torch.Tensor
+
+    def to(self, device: torch.device) -> Outputs:
+        return Outputs(hidden=self.hidden.to(device), nll=self.nll.to(device))
 
 
 def _device(model: PreTrainedModel) -> torch.device:
@@ -103,17 +109,19 @@ def reference(expert: PreTrainedModel, batch: Mapping[str, torch.Tensor], layer:
     )
 
 
-def _outputs(logits: torch.Tensor, hidden: torch.Tensor, ref: Reference) -> Outputs:
-    nll, _ = token_nll(logits, ref.input_ids, ref.attention_mask)
+def _outputs(logits: torch.Tensor, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> Outputs:
+    nll, _ = token_nll(logits, input_ids, mask)
     return Outputs(hidden=hidden.float(), nll=nll)
 
 
 @torch.no_grad()
-def merged_outputs(merged: PreTrainedModel, ref: Reference, layer: LayerKey) -> Outputs:
-    """The uncorrected merged model on the reference's batch."""
+def merged_outputs(merged: PreTrainedModel, batch: Mapping[str, torch.Tensor], layer: LayerKey) -> Outputs:
+    """The uncorrected merged model on a batch (input_ids, attention_mask): a reference's or one of the same rows."""
+    device = _device(merged)
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     with capture_hidden(merged, [layer]) as hidden:
-        logits = merged(input_ids=ref.input_ids, attention_mask=ref.attention_mask).logits
-    return _outputs(logits, hidden[layer], ref)
+        logits = merged(input_ids=ids, attention_mask=mask).logits
+    return _outputs(logits, hidden[layer], ids, mask)
 
 
 @torch.no_grad()
@@ -144,7 +152,7 @@ def corrected_outputs(
     with attach_corrections(merged, corrections) as handle, capture_hidden(merged, [layer]) as hidden:
         handle.set_task_weights(weights)
         logits = merged(input_ids=ref.input_ids, attention_mask=ref.attention_mask).logits
-    return _outputs(logits, hidden[layer], ref)
+    return _outputs(logits, hidden[layer], ref.input_ids, ref.attention_mask)
 
 
 class TaskTally:

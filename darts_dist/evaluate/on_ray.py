@@ -1,0 +1,198 @@
+"""Evaluation as a Ray job: the base, each expert and the merged model in an actor of its own, their passes at
+once; the merged model's actor then judges the corrections (the corrected and routed passes) against them.
+
+Every actor runs the one evaluator (the passes in-process evaluation runs, model by model, through the same
+output cache), so the numbers are the in-process ones; only where the work runs changes. Each actor takes an
+expert actor's resources (`cluster.expert_resources`; a GPU each with `cluster.use_gpu`), so on a GPU cluster
+the stage takes the slowest model's passes instead of their sum. On CPU nodes the actors split the cores
+(calibrate.ray.cpu_share's concurrent share), which gains nothing over one process using them all: hence
+`evaluation.executor: auto` evaluates on Ray only on GPU clusters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TypeVar
+
+import ray
+import torch
+from ray.exceptions import RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from darts_dist.calibrate.ray.cpu_share import cpu_share, node_cores, per_node
+from darts_dist.calibrate.ray.job import ray_session
+from darts_dist.calibrate.ray.placement import alive_nodes, custom_resources, expert_actor_options, expert_bundle
+from darts_dist.config import RunConfig
+from darts_dist.errors import DartsError
+from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, judged_artifacts
+from darts_dist.sources.data import TaskFiles
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
+from darts_dist.sources.output_cache import OutputCache
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+CPU = torch.device("cpu")
+
+
+def uses_ray(config: RunConfig) -> bool:
+    """`evaluation.executor`, with `auto` resolved: on Ray where calibration runs on Ray with a GPU per actor."""
+    executor = config.evaluation.executor
+    if executor == "auto":
+        return config.cluster.executor == "ray" and config.cluster.use_gpu
+    return executor == "ray"
+
+
+@ray.remote
+class ModelPasses:
+    """One model (the base, an expert or the merge) loaded once in its actor (`load`), running the evaluator's
+    passes. Results leave on the CPU; the merged actor keeps its sides on the CPU between tasks, so a task's
+    passes are on the device only while that task is judged (as in-process)."""
+
+    def __init__(self, config: RunConfig, data: Mapping[str, TaskFiles], tokenizer_dir: Path,
+                 cache_folder: Path | None) -> None:
+        self.evaluator = Evaluator(config, data, load_tokenizer(tokenizer_dir), progress=False,
+                                   cache=None if cache_folder is None else OutputCache(cache_folder))
+        self.device = resolve_device(config.calibration.device)
+        self.merged: list[MergedSide] = []
+
+    def load(self, model_dir: Path, actors_per_node: int) -> None:
+        """Load the model (in a method, not the constructor, so a DartsError reaches the driver as itself)."""
+        config = self.evaluator.config
+        if not config.cluster.use_gpu:
+            torch.set_num_threads(cpu_share("concurrent", actors_per_node, node_cores()).threads)
+        dtype = model_dtype(config.calibration.dtype, self.device)
+        self.model = load_causal_lm(model_dir, dtype=dtype, device=self.device)
+        self.identity = self.evaluator.identity(model_dir, dtype, self.device)
+        self.model_dir = model_dir
+
+    def base_passes(self) -> dict[str, list[bool] | None]:
+        return self._timed("base answers", lambda: self.evaluator.base_passes(self.model, self.identity))
+
+    def expert_side(self, index: int) -> ExpertSide:
+        """Task `index`'s expert side (it travels to the merged model's actor)."""
+        side = self._timed(f"expert {self.evaluator.config.tasks[index]}",
+                           lambda: self.evaluator.expert_side(index, self.model, identity=self.identity))
+        return side.to(CPU)
+
+    def merged_sides(self) -> None:
+        """Every task's merged side, kept here (on the CPU) for `judge`."""
+        tasks = self.evaluator.config.tasks
+        self.merged = self._timed("merged model", lambda: [
+            self.evaluator.merged_side(self.model, index, identity=self.identity).to(CPU)
+            for index in range(len(tasks))])
+
+    def judge(self, base_passes: Mapping[str, list[bool] | None], corrections_path: Path | None,
+              router_path: Path | None, *sides: ExpertSide) -> dict[str, object]:
+        """The evaluation of the corrections (on config.model_dir) against the experts' sides (passed as
+        separate arguments, so Ray hands over their values, not references) and this merge's."""
+        config = self.evaluator.config
+        corrections, router, model_dir = judged_artifacts(config, self.model_dir, corrections_path, router_path)
+        corrections = None if corrections is None else corrections.to(self.device)
+        candidate = None if model_dir == self.model_dir else load_causal_lm(
+            model_dir, dtype=next(self.model.parameters()).dtype, device=self.device)
+        pairs = ((side.to(self.device).with_base(base_passes.get(side.task)), merged.to(self.device))
+                 for side, merged in zip(sides, self.merged, strict=True))
+        return self._timed("corrected model", lambda: self.evaluator.evaluate(
+            self.model, corrections, pairs, router=router, candidate=candidate))
+
+    def cache_counts(self) -> dict[str, int]:
+        return {"hits": 0, "misses": 0} if self.evaluator.cache is None else self.evaluator.cache.counts()
+
+    def _timed(self, what: str, work: Callable[[], T]) -> T:
+        started = time.perf_counter()
+        result = work()
+        logger.info("evaluate on Ray: %s done in %.1f s", what, time.perf_counter() - started)
+        return result
+
+
+def local_resources(config: RunConfig, actors: int) -> dict[str, object]:
+    """`ray.init` arguments of a local cluster for the evaluation: a logical CPU per actor (at least the
+    machine's cores) and the custom resources the actors ask for."""
+    return {"num_cpus": max(os.cpu_count() or 1, actors),
+            "resources": custom_resources([expert_bundle(config.cluster)] * actors),
+            "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
+
+
+def _fits(bundles: list[dict[str, float]]) -> bool:
+    """Whether the cluster has, in all (busy or not), the resources of every bundle."""
+    total = ray.cluster_resources()
+    return all(total.get(name, 0.0) >= sum(b.get(name, 0.0) for b in bundles) for name in {*bundles[0]})
+
+
+def _get(refs: object) -> object:
+    """ray.get, with a DartsError raised in an actor re-raised as itself (the command line's error and fix)."""
+    try:
+        return ray.get(refs)
+    except RayTaskError as error:
+        if isinstance(error.cause, DartsError):
+            raise error.cause from None
+        raise
+
+
+def evaluate_on_ray(
+    config: RunConfig, data: Mapping[str, TaskFiles], base_dir: Path, experts: Mapping[str, Path], merged_dir: Path,
+    corrections_path: Path | None, router_path: Path | None, score_base: bool, cache: OutputCache | None = None,
+) -> dict[str, object] | None:
+    """`pipeline.evaluate_stage`'s result, its models' passes in actors of their own on the cluster
+    (`cluster.address` or RAY_ADDRESS, else a local one); `cache` counts what the actors read back from their
+    output caches and what they computed.
+
+    With `evaluation.executor: auto`, None (evaluate in-process) when the cluster does not have an actor's
+    resources for every model (the base, each expert, the merge: a GPU each on a GPU cluster) in all; asked
+    for explicitly, the job waits `cluster.resource_wait_s` for them, then fails naming what it asked for.
+    """
+    cluster = config.cluster
+    roles = {**({"base": base_dir} if score_base else {}), **{f"expert {t}": experts[t] for t in config.tasks},
+             "merged": merged_dir}
+    bundles = [{name: amount for name, amount in expert_bundle(cluster).items() if amount}] * len(roles)
+    address = cluster.address or os.environ.get("RAY_ADDRESS")
+    with ray_session(address, local_resources(config, len(roles))):
+        if config.evaluation.executor == "auto" and not _fits(bundles):
+            logger.info("evaluate: the cluster has no room for %d model actors (%s each): evaluating in-process",
+                        len(roles), bundles[0])
+            return None
+        spread = cluster.placement_strategy in ("SPREAD", "STRICT_SPREAD")
+        group = placement_group(bundles, strategy="SPREAD" if spread else "PACK")
+        try:
+            if not ray.wait([group.ready()], timeout=cluster.resource_wait_s)[0]:
+                raise DartsError(
+                    f"the Ray cluster had no room for {len(roles)} evaluation actors ({', '.join(roles)}) of "
+                    f"{bundles[0]} each after {cluster.resource_wait_s:g} s",
+                    "add nodes with those resources, or set evaluation.executor: in-process")
+            return _run_actors(config, data, base_dir, roles, group, corrections_path, router_path, cache)
+        finally:
+            remove_placement_group(group)
+
+
+def _run_actors(
+    config: RunConfig, data: Mapping[str, TaskFiles], tokenizer_dir: Path, roles: Mapping[str, Path],
+    group: PlacementGroup, corrections_path: Path | None, router_path: Path | None, cache: OutputCache | None,
+) -> dict[str, object]:
+    """One actor per role in the placement group's bundles, their passes at once, the merged actor's judgement."""
+    cpu_nodes = [node for node in alive_nodes() if node["Resources"].get("CPU")]
+    per = per_node(len(roles), len(cpu_nodes))
+    logger.info("evaluate on Ray: %d model actors (%s)", len(roles), ", ".join(roles))
+    folder = None if cache is None else cache.folder
+    options = expert_actor_options(config.cluster)  # an expert actor's resources, in the group's bundles
+    actors = {role: ModelPasses.options(**options | {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=group, placement_group_bundle_index=index)}).remote(config, data, tokenizer_dir, folder)
+        for index, role in enumerate(roles)}
+    try:
+        _get([actors[role].load.remote(path, per) for role, path in roles.items()])
+        base = actors["base"].base_passes.remote() if "base" in actors else {}
+        sides = [actors[f"expert {task}"].expert_side.remote(index) for index, task in enumerate(config.tasks)]
+        merged = actors["merged"]
+        _get(merged.merged_sides.remote())
+        result = _get(merged.judge.remote(base, corrections_path, router_path, *sides))
+        if cache is not None:
+            for counts in _get([actor.cache_counts.remote() for actor in actors.values()]):
+                cache.hits, cache.misses = cache.hits + counts["hits"], cache.misses + counts["misses"]
+        return result
+    finally:
+        for actor in actors.values():
+            ray.kill(actor)
