@@ -12,6 +12,7 @@ import torch
 from darts_dist.calibrate.features import expert_targets
 from darts_dist.calibrate.ray.feature_store import FeatureStore
 from darts_dist.calibrate.ray.stream import ExpertStream, from_wire, source_rows, target_column, to_wire
+from darts_dist.calibrate.ray.window import StreamWindow, window_rows
 from darts_dist.core import pad_rows
 from darts_dist.sources.data import load_rows, tokenize_rows
 from darts_dist.sources.models import load_causal_lm
@@ -117,3 +118,22 @@ def test_feature_store_refuses_rows_that_do_not_fit(tmp_path: Path) -> None:
         store.add("a", 2, {"x": np.zeros(2), "y": np.zeros((2, 3))})
     with pytest.raises(ValueError, match="does not hold"):
         store.add("b", 3, {"x": np.zeros(2), "y": np.zeros((2, 2))})
+
+
+def test_the_window_holds_an_expert_until_the_workers_received_its_rows(ray_cluster) -> None:
+    """An expert waits while its task has `limit` rows in flight; a retried batch (same rows) is not counted
+    twice; a batch larger than the window still enters an empty one; tasks have windows of their own."""
+    import ray
+
+    window = StreamWindow.remote(10)
+    ray.get(window.enter.remote("code", list(range(8))))
+    blocked = window.enter.remote("code", list(range(8, 16)))
+    assert not ray.wait([blocked], timeout=1.0)[0]  # 16 rows would be in flight
+    ray.get(window.enter.remote("math", list(range(8))))  # another task's window is its own
+    ray.get(window.enter.remote("code", list(range(8))))  # a retried batch: already in flight, enters at once
+    window.leave.remote("code", list(range(8)))
+    ray.get(blocked, timeout=30)
+    assert ray.get(window.rows_in_flight.remote()) == {"code": 8, "math": 8}
+    window.leave.remote("code", list(range(8, 16)))
+    ray.get(window.enter.remote("code", list(range(100, 120))), timeout=30)  # larger than the window, empty
+    assert window_rows(2, 295_000, 8) == 8 and window_rows(256, 295_000, 8) == (256 << 20) // 295_000

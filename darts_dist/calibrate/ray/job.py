@@ -52,6 +52,7 @@ from darts_dist.calibrate.ray.placement import (
     worker_bundle,
 )
 from darts_dist.calibrate.ray.stream import ExactlyOnceSplit, expert_stream
+from darts_dist.calibrate.ray.window import StreamWindow, window_rows
 from darts_dist.calibrate.ray.worker import (
     CHECKPOINT_CORRECTIONS,
     FAIL_WORKER_AT_STEP,
@@ -234,6 +235,16 @@ def _read_checkpoint(
     return trained, progress, rows, entropy
 
 
+def stream_window_rows(plan: JobPlan) -> int:
+    """Rows a task's expert may have in flight: `cluster.stream_buffer_mb` of its rows' hidden states (as they
+    travel: fp32 on CPUs, the compute dtype on GPUs) and entropies."""
+    settings = plan.settings
+    wire_bytes = 4 if not plan.cluster.use_gpu or settings.dtype == "float32" else 2
+    hidden = read_model_info(plan.merged_dir).hidden_size
+    row_bytes = settings.max_length * (hidden * wire_bytes * len(settings.loss_layers()) + 4)
+    return window_rows(plan.cluster.stream_buffer_mb, row_bytes, settings.batch_size)
+
+
 def run_calibration_job(plan: JobPlan) -> JobResult:
     """Stream every expert's targets into the training workers and train the corrections there."""
     check_plan(plan)
@@ -246,6 +257,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
         # put more on one node: the share is then too large there, as it would be without the rule).
         nodes = sum(1 for node in alive_nodes() if node["Resources"].get("CPU"))
         cpu = (cluster.cpu_schedule, per_node(len(plan.data) + cluster.num_workers, nodes))
+        window = StreamWindow.remote(stream_window_rows(plan))
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={
@@ -262,6 +274,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 "experts": {task: str(path) for task, path in plan.experts.items()},
                 "init": list(plan.init),
                 "cpu": cpu,
+                "window": window,
             },
             scaling_config=ray.train.ScalingConfig(
                 num_workers=cluster.num_workers,
@@ -270,10 +283,11 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 placement_strategy=cluster.placement_strategy,
             ),
             datasets={
-                task: expert_stream(data, plan.experts[task], settings, cluster, fail_expert_after, cpu[1])
+                task: expert_stream(data, plan.experts[task], settings, cluster, fail_expert_after, cpu[1], window)
                 for task, data in plan.data.items()
             },
-            # Back-pressure: each expert's stream may hold this much of the object store, no more.
+            # Back-pressure: each expert's stream may hold this much of the object store, no more (Ray Data's
+            # budget; the window holds what it stops counting).
             dataset_config=ExactlyOnceSplit(execution_options=ExecutionOptions(
                 resource_limits=ExecutionResources(object_store_memory=cluster.stream_buffer_mb << 20),
             )),

@@ -14,6 +14,7 @@ transformers would cost each of those processes seconds. The expert actor import
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ import numpy as np
 import ray
 import ray.data
 import ray.train
+from ray.actor import ActorHandle
 
 from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share
 from darts_dist.calibrate.ray.placement import expert_actor_options
@@ -92,6 +94,7 @@ class ExpertStream:
         device: str,
         fail_after_batches: int | None = None,
         cpu: tuple[CpuSchedule, int] | None = None,
+        window: ActorHandle | None = None,
     ) -> None:
         from darts_dist.logs import show_progress_logs
         from darts_dist.sources.models import load_causal_lm, model_dtype, resolve_device
@@ -114,6 +117,7 @@ class ExpertStream:
         self.wire_dtype = str(self.dtype).removeprefix("torch.")
         self.layers = list(layers)
         self.fail_after_batches = fail_after_batches
+        self.window = window  # the job's StreamWindow: a batch waits while its task has a window in flight
         self.batches = 0
         # Each row says where it was made. Outside Ray (the actor's class used directly) there is no
         # node, and asking the runtime context for one would start a Ray session as a side effect.
@@ -124,6 +128,8 @@ class ExpertStream:
         from darts_dist.core import pad_rows
 
         self._maybe_fail()
+        if self.window is not None:
+            ray.get(self.window.enter.remote(str(batch["task"][0]), [int(row) for row in batch["row"]]))
         lengths = [len(ids) for ids in batch["input_ids"]]
         ids = pad_rows(batch["input_ids"]).to(self.device)
         mask = pad_rows(batch["attention_mask"]).to(self.device)
@@ -155,16 +161,22 @@ def expert_stream(
     cluster: ClusterSection,
     fail_after_batches: int | None = None,
     actors_per_node: int = 1,
+    window: ActorHandle | None = None,
 ) -> ray.data.Dataset:
     """The rows of one task: its samples, run through one actor that holds its expert.
 
     The actor runs batches of `settings.batch_size` samples, as the in-process reference does; on a CPU
     node it shares the cores by `cluster.cpu_schedule` with the node's other model-running actors (about
-    `actors_per_node`; calibrate.ray.cpu_share). Ray
+    `actors_per_node`; calibrate.ray.cpu_share); with a `window` (calibrate.ray.window), each batch waits for
+    room in its task's window of rows in flight. Ray
     Data restarts a lost actor and retries the batches it lost (its defaults: max_restarts=-1,
     max_task_retries=-1; a batch that raises is not retried, it fails the run).
     """
-    dataset = ray.data.from_items(source_rows(data)).map_batches(
+    rows = source_rows(data)
+    # One block per batch: a map task emits its output block when it ends, so a task of one batch sends its rows
+    # on at once (many batches in one block would reach the workers together, and a window never).
+    blocks = max(1, math.ceil(len(rows) / settings.batch_size))
+    dataset = ray.data.from_items(rows, override_num_blocks=blocks).map_batches(
         ExpertStream,
         fn_constructor_kwargs={
             "model_path": str(model_path),
@@ -173,6 +185,7 @@ def expert_stream(
             "device": settings.device,
             "fail_after_batches": fail_after_batches,
             "cpu": (cluster.cpu_schedule, actors_per_node),
+            "window": window,
         },
         batch_size=settings.batch_size,
         compute=ray.data.ActorPoolStrategy(size=1),
@@ -184,16 +197,23 @@ def expert_stream(
     return dataset
 
 
-def arrivals(shards: Mapping[str, ray.data.DataIterator], batch_size: int) -> Iterator[tuple[str, Batch]]:
+def arrivals(
+    shards: Mapping[str, ray.data.DataIterator], batch_size: int, window: ActorHandle | None = None,
+) -> Iterator[tuple[str, Batch]]:
     """A worker's side of the stream: (task, batch) in the order the experts deliver them, every
     expert's shard pulled at once from the moment this is called (so the experts start while the
-    caller does other work).
+    caller does other work); each batch leaves the `window` as it arrives.
 
     A thread per shard: a shard's pipeline starts only when first pulled, so pulling them in turn
     would start the experts one after the other, and the slowest would hold up the rest.
     """
-    return fan_in({task: shard.iter_batches(batch_size=batch_size, batch_format="numpy")
-                   for task, shard in shards.items()})
+    def received(task: str, shard: ray.data.DataIterator) -> Iterator[Batch]:
+        for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy"):
+            if window is not None:
+                window.leave.remote(task, [int(row) for row in batch["row"]])
+            yield batch
+
+    return fan_in({task: received(task, shard) for task, shard in shards.items()})
 
 
 class ExactlyOnceSplit(ray.train.DataConfig):

@@ -349,7 +349,8 @@ def train_loop_per_worker(config: dict) -> None:
         log(f"this run finished at step {state.step}: nothing left to do", force=True)
         return
     # The experts start streaming now, loading their models while this worker loads the merged one.
-    stream = arrivals({task: ray.train.get_dataset_shard(task) for task in tasks}, settings.batch_size)
+    stream = arrivals({task: ray.train.get_dataset_shard(task) for task in tasks}, settings.batch_size,
+                      config.get("window"))
     engine = build_engine(config, tasks, checkpoint)
     if state.resumed_from is not None:
         log(f"resuming from the checkpoint at step {state.step}", force=True)

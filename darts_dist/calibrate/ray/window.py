@@ -1,0 +1,49 @@
+"""The stream's window: how many rows of a task its expert may have made that no training worker has received.
+
+Ray Data's object-store budget (`cluster.stream_buffer_mb`, the stream's ExecutionOptions) stops counting a
+block once the `streaming_split` coordinator holds it for the workers (ray-project/ray#39595: no back-pressure
+from the consumers to the coordinator), so experts that outpace the workers filled the object store with rows
+waiting for them, more the longer the stream. Here the experts ask before each batch (`enter`) and the workers
+say what reached them (`leave`): an expert waits while its task has `limit` rows in flight. A batch retried
+after its actor died enters again with the same row ids and is not counted twice; a batch larger than the
+limit still enters an empty window, so the stream always moves.
+
+Imports stay light (no torch): the stream's Ray Data actors import this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class StreamWindow:
+    """Rows in flight per task (made by the expert, not yet received by a worker), at most `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight: dict[str, set[int]] = {}
+        self.changed = asyncio.Condition()
+
+    async def enter(self, task: str, rows: Sequence[int]) -> None:
+        """Return once `rows` fit in the task's window (at once for rows already in it)."""
+        async with self.changed:
+            flying = self.in_flight.setdefault(task, set())
+            await self.changed.wait_for(lambda: not flying or len(flying | set(rows)) <= self.limit)
+            flying.update(rows)
+
+    async def leave(self, task: str, rows: Sequence[int]) -> None:
+        async with self.changed:
+            self.in_flight.setdefault(task, set()).difference_update(rows)
+            self.changed.notify_all()
+
+    def rows_in_flight(self) -> dict[str, int]:
+        return {task: len(rows) for task, rows in self.in_flight.items()}
+
+
+def window_rows(buffer_mb: int, row_bytes: int, batch_size: int) -> int:
+    """The rows of one task's window: `buffer_mb` of hidden states (at `row_bytes` a row), at least a batch."""
+    return max(batch_size, (buffer_mb << 20) // max(row_bytes, 1))
