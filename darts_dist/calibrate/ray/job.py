@@ -242,7 +242,7 @@ def stream_window_rows(plan: JobPlan) -> int:
     wire_bytes = 4 if not plan.cluster.use_gpu or settings.dtype == "float32" else 2
     hidden = read_model_info(plan.merged_dir).hidden_size
     row_bytes = settings.max_length * (hidden * wire_bytes * len(settings.loss_layers()) + 4)
-    return window_rows(plan.cluster.stream_buffer_mb, row_bytes, settings.batch_size)
+    return window_rows(plan.cluster.stream_buffer_mb, row_bytes, settings.batch_size, plan.cluster.num_workers)
 
 
 def run_calibration_job(plan: JobPlan) -> JobResult:

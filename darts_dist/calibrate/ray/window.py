@@ -44,6 +44,14 @@ class StreamWindow:
         return {task: len(rows) for task, rows in self.in_flight.items()}
 
 
-def window_rows(buffer_mb: int, row_bytes: int, batch_size: int) -> int:
-    """The rows of one task's window: `buffer_mb` of hidden states (at `row_bytes` a row), at least a batch."""
-    return max(batch_size, (buffer_mb << 20) // max(row_bytes, 1))
+# Ray Data's OutputSplitter may hold back up to RAY_DATA_DEFAULT_OUTPUT_SPLITTER_MAX_BUFFERING_FACTOR (2) blocks per
+# worker while it looks for one on a worker's node: a window of fewer batches would never see them delivered (a
+# window of one batch hung a one-worker job here; three ran).
+SPLITTER_BLOCKS_PER_WORKER = 2
+
+
+def window_rows(buffer_mb: int, row_bytes: int, batch_size: int, workers: int) -> int:
+    """The rows of one task's window: `buffer_mb` of hidden states (at `row_bytes` a row), and at least the batches
+    the split may hold back plus one, so that the stream always moves."""
+    least = batch_size * (SPLITTER_BLOCKS_PER_WORKER * workers + 1)
+    return max(least, (buffer_mb << 20) // max(row_bytes, 1))
