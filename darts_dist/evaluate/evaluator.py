@@ -11,9 +11,10 @@ judges new corrections against the same experts and merge without running them a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -42,6 +43,7 @@ from darts_dist.sources.output_cache import OutputCache, digest
 
 logger = logging.getLogger(__name__)
 SPLITS = ("heldout", "validation")
+T = TypeVar("T")
 
 
 def judged_artifacts(
@@ -130,35 +132,25 @@ class Evaluator:
         is hashed then)."""
         return None if self.cache is None else model_identity(path, dtype, device)
 
-    def _references(
-        self, expert: PreTrainedModel, data: TokenizedSet | None, desc: str, identity: str | None,
-    ) -> list[Reference]:
+    def _over_batches(
+        self, model: PreTrainedModel, data: TokenizedSet | None, run: Callable[..., T], kind: type[T],
+        identity: str | None, desc: str | None = None,
+    ) -> list[T]:
+        """`run(model, batch, layer)` on each batch of `data` (an expert's `reference`, a merged model's
+        `merged_outputs`), through the output cache when the model has an identity."""
         if data is None:
             return []
         size = self.config.calibration.batch_size
 
-        def compute() -> list[Reference]:
-            return [reference(expert, batch, self.layer)
-                    for batch in tqdm(list(data.batches(size)), desc=desc, unit="batch", disable=not self.progress)]
+        def compute() -> list[T]:
+            batches = tqdm(list(data.batches(size)), desc=desc, unit="batch", disable=not self.progress or not desc)
+            return [run(model, batch, self.layer) for batch in batches]
 
         if self.cache is None or identity is None:
             return compute()
-        key = digest("references", identity, str(self.layer), size, data.input_ids, data.attention_mask,
+        key = digest(kind.__name__, identity, str(self.layer), size, data.input_ids, data.attention_mask,
                      data.response_mask)
-        return self.cache.records(key, compute, Reference, next(expert.parameters()).device)
-
-    def _outputs(self, merged: PreTrainedModel, data: TokenizedSet | None, identity: str | None) -> list[Outputs]:
-        if data is None:
-            return []
-        size = self.config.calibration.batch_size
-
-        def compute() -> list[Outputs]:
-            return [merged_outputs(merged, batch, self.layer) for batch in data.batches(size)]
-
-        if self.cache is None or identity is None:
-            return compute()
-        key = digest("outputs", identity, str(self.layer), size, data.input_ids, data.attention_mask)
-        return self.cache.records(key, compute, Outputs, next(merged.parameters()).device)
+        return self.cache.records(key, compute, kind, next(model.parameters()).device)
 
     def _answers(
         self, lm: CorrectedLM, scorer: Scorer | None, problems: list[Problem], label: str, identity: str | None,
@@ -221,7 +213,8 @@ class Evaluator:
                   "canonical": f"expert {task} solutions"}
         side = ExpertSide(task=task, index=index, scorer=scorer, problems=problems, passes=None,
                           base_passes=base_passes,
-                          **{name: self._references(expert, data, labels[name], identity) for name, data in sets.items()})
+                          **{name: self._over_batches(expert, data, reference, Reference, identity, labels[name])
+                             for name, data in sets.items()})
         with CorrectedLM(expert, self.tokenizer) as lm:
             side.passes = self._answers(lm, scorer, problems, f"expert answers {task}", identity)
         return side
@@ -232,7 +225,8 @@ class Evaluator:
         """The merged model over task `index`'s sets (the expert side's rows: it does not need the expert's
         passes) and its task score, through the output cache with `identity`."""
         task = self.config.tasks[index]
-        outputs = {name: self._outputs(merged, data, identity) for name, data in self.task_sets(index, validation).items()}
+        outputs = {name: self._over_batches(merged, data, merged_outputs, Outputs, identity)
+                   for name, data in self.task_sets(index, validation).items()}
         with CorrectedLM(merged, self.tokenizer) as lm:
             passes = self._answers(lm, *self.scored_problems(task), f"merged answers {task}", identity)
         return MergedSide(passes=passes, **outputs)
