@@ -167,6 +167,11 @@ class CalibrationSection(_Section):
             return list(self.layers)
         return ["final"] if "final" in self.layers else [max(k for k in self.layers if isinstance(k, int))]
 
+    def headline_layer(self) -> Layer:
+        """Where bias is reported and the router reads the merged model: the final representation when corrected
+        there, else the last surgery layer."""
+        return "final" if "final" in self.layers else max(self.layers)
+
     def beta_for(self, task: str) -> float:
         override = self.tasks.get(task)
         return self.beta if override is None or override.beta is None else override.beta

@@ -34,7 +34,6 @@ from darts_dist.evaluate.evaluator import (
     Evaluator,
     ExpertSide,
     MergedSide,
-    headline_layer,
     judged_artifacts,
     scores_base,
 )
@@ -296,10 +295,12 @@ def run_calibration(state: RunState) -> Path | None:
         "losses": losses,
         **({"job": outcome.job} if outcome.job is not None else {}),
     }
-    # The task router (routed serving) learns from the same calibration prompts.
+    # The task router (routed serving) learns from the same calibration prompts, pooled from calibration's
+    # own merged forwards where it ran them.
     with state.timed("router"):
         state.report["router"] = fit_run_router(config, state.sources.data, model_dir,
-                                                headline_layer(config.calibration.layers))
+                                                config.calibration.headline_layer(),
+                                                calibration_features=outcome.prompt_features)
     plots = {
         "loss": plot_loss(losses, config.run_dir / "plots" / "loss.png"),
         "entropy_weights": plot_entropy_weights(

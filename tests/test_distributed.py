@@ -10,10 +10,12 @@ import logging
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from darts_dist.calibrate.coefficients import fit_in_process
+from darts_dist.calibrate.features import prompt_features
 from darts_dist.calibrate.corrections import corrections_metadata
 from darts_dist.calibrate.in_process import calibrate_stage
 from darts_dist.calibrate.ray.job import (
@@ -26,10 +28,12 @@ from darts_dist.calibrate.ray.job import (
     run_calibration_job,
 )
 from darts_dist.calibrate.ray.stream import arrivals
+from darts_dist.calibrate.router import task_prompts
 from darts_dist.config import parse_config
 from darts_dist.core import load_corrections, save_corrections
 from darts_dist.errors import DartsError
 from darts_dist.pipeline import evaluate_stage
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 from darts_dist.sources.references import demo_data, resolve_sources
 
 TASKS = ("code", "math")
@@ -122,6 +126,17 @@ def test_one_worker_zero0_equals_the_in_process_loop_a_lost_worker_included(dist
                                atol=SAME_CORRECTIONS_ATOL, rtol=0)
     for task in TASKS:  # the entropy weights the experts streamed are the ones the reference computed
         torch.testing.assert_close(ray_outcome.entropy_weights[task], reference.entropy_weights[task])
+
+
+def test_the_workers_pool_the_routers_features_of_every_prompt_as_in_process(disturbed) -> None:
+    """Every calibration row's prompt features, pooled by the worker that ran the merged model on it (the lost
+    worker's rows again after the resume), in row order: those the in-process stage pools."""
+    config, ray_outcome, reference = disturbed
+    assert sorted(ray_outcome.prompt_features) == sorted(reference.prompt_features) == sorted(TASKS)
+    for task in TASKS:
+        assert ray_outcome.prompt_features[task].shape[0] == config.calibration.num_samples
+        torch.testing.assert_close(ray_outcome.prompt_features[task], reference.prompt_features[task],
+                                   atol=1e-5, rtol=1e-4)
 
 
 def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(disturbed, tiny_family, caplog) -> None:
@@ -268,3 +283,12 @@ def test_deep_corrections_on_a_worker_train_from_their_lowest_layer_as_in_proces
                                    reference.result.corrections.parameters()):
         torch.testing.assert_close(ours, theirs, atol=SAME_CORRECTIONS_ATOL, rtol=0, msg=name)
     assert job.losses == pytest.approx(reference.result.losses, abs=SAME_CORRECTIONS_ATOL)
+    # The merged forwards that keep the states entering layer 2 also pool the router's features, at its layer.
+    tokenizer = load_tokenizer(tiny_family.base)
+    model = load_causal_lm(tiny_family.base)
+    for task in TASKS:
+        by_row = job.prompt_features[task]
+        assert sorted(by_row) == list(range(config.calibration.num_samples))
+        prompts = task_prompts(resolve_sources(config).data[task], "calibration", config, tokenizer)
+        torch.testing.assert_close(torch.from_numpy(np.stack([by_row[row] for row in sorted(by_row)])),
+                                   prompt_features(model, prompts, "final", pad_id(tokenizer)), atol=1e-5, rtol=1e-4)

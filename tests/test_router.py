@@ -10,12 +10,16 @@ import torch
 import yaml
 from test_generation import PROMPTS, TASKS, strong_corrections
 
-from darts_dist.calibrate.router import fit_router, fit_run_router
+import darts_dist.calibrate.router as router_module
+from darts_dist.calibrate.features import merged_hidden, prompt_features, row_prompt_features
+from darts_dist.calibrate.router import fit_router, fit_run_router, task_prompts
 from darts_dist.cli import main
-from darts_dist.config import TrackingSection, load_config
+from darts_dist.config import EvaluationSection, TrackingSection, load_config, updated
 from darts_dist.core import ROUTED, TaskRouter
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
+from darts_dist.sources.data import tokenized
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 from darts_dist.sources.references import resolve_sources
 from darts_dist.tracking.registry import fetch_model
 from darts_dist.tracking.runs import connect, tracking_uri
@@ -140,6 +144,45 @@ def test_the_run_router_separates_synthetic_tasks_on_held_out_prompts(tiny_famil
     router = TaskRouter.load(Path(report["path"]))
     assert Path(report["path"]) == config.run_dir / "router.safetensors"
     assert (router.tasks, router.layer, router.threshold) == (TASKS, "final", 0.6)
+
+
+def test_calibrations_merged_states_give_the_routers_features_and_router(tiny_family, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """Pooled over the prompt part of calibration rows (prompt + response), the merged states calibration
+    computes are the features of the prompts alone; given them, the router runs the merge only for the other
+    tasks and fits the same router."""
+    config = load_config(write_run(tiny_family, tmp_path))
+    config = updated(config, evaluation=EvaluationSection(cache=False))  # every feature computed, none read back
+    data = resolve_sources(config).data
+    tokenizer, model = load_tokenizer(tiny_family.base), load_causal_lm(tiny_family.base)
+    pooled = {}
+    for task in TASKS:
+        rows = tokenized(data[task], task, "calibration", config.calibration, tokenizer)
+        hidden = merged_hidden(model, rows.input_ids, rows.attention_mask, ["final"])["final"]
+        pooled[task], has_prompt = row_prompt_features(hidden, rows.attention_mask, rows.response_mask)
+        assert bool(has_prompt.all()) == rows.has_boundary and bool(has_prompt.any()) == rows.has_boundary
+    # math's prompt/response rows: their prompts' features; code's plain text has no prompt part.
+    prompts = task_prompts(data["math"], "calibration", config, tokenizer)
+    torch.testing.assert_close(pooled["math"], prompt_features(model, prompts, "final", pad_id(tokenizer)),
+                               atol=1e-5, rtol=1e-4)
+    assert pooled["code"].shape[0] == 0
+
+    computed = []
+    real = router_module.prompt_features
+    monkeypatch.setattr(router_module, "prompt_features",
+                        lambda m, p, *a, **k: computed.append(len(p)) or real(m, p, *a, **k))
+    own = fit_run_router(config, data, tiny_family.base, "final", model=model)
+    own_router = TaskRouter.load(Path(own["path"]))
+    runs_alone = list(computed)
+    computed.clear()
+    given = fit_run_router(config, data, tiny_family.base, "final", model=model,
+                           calibration_features={"math": pooled["math"]})
+    assert given["features_from_calibration"] == ["math"] and "features_from_calibration" not in own
+    assert runs_alone == [10, 10, 6, 6] and computed == [10, 6, 6]  # math's 10 calibration prompts not run
+    assert given["accuracy"] == own["accuracy"] and given["train_accuracy"] == own["train_accuracy"]
+    given_router = TaskRouter.load(Path(given["path"]))
+    for name in ("mean", "scale", "weight", "bias"):
+        torch.testing.assert_close(getattr(given_router, name), getattr(own_router, name), atol=1e-3, rtol=1e-3)
 
 
 def test_calibrate_fits_the_router_and_registers_it_with_the_model(tiny_family, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from darts_dist.core import (
     mask_positions,
     next_token_entropy,
     pool_prompts,
+    prompt_mask,
     token_batch,
 )
 
@@ -60,6 +61,18 @@ def prompt_features(
         hidden = merged_hidden(model, input_ids.to(device), mask.to(device), [layer])[layer].cpu()
         pooled.append(pool_prompts(hidden, mask))
     return torch.cat(pooled)
+
+
+def row_prompt_features(
+    hidden: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's features of calibration rows, from the merged states calibration computes anyway: each
+    row's mean state over its prompt part (core.prompt_mask), [n, d] fp32 on the CPU, and which of the B rows
+    have a prompt part ([B] bool). For a row with a prompt/response boundary these are `prompt_features` of
+    its prompt (the same tokens, and causal attention never sees the response)."""
+    mask = prompt_mask(attention_mask.to(hidden.device), response_mask.to(hidden.device))
+    has_prompt = mask.any(dim=1)
+    return pool_prompts(hidden[has_prompt], mask[has_prompt]).cpu(), has_prompt.cpu()
 
 
 @dataclass

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from darts_dist.calibrate.corrections import save_corrections_for
-from darts_dist.calibrate.features import TaskFeatures, collect_features, features_only
+from darts_dist.calibrate.features import TaskFeatures, collect_features, features_only, row_prompt_features
 from darts_dist.calibrate.loop import CalibrationResult, StepCallback, train_corrections
 from darts_dist.config import CORRECTIONS_FILE, CalibrationSection, RunConfig
 from darts_dist.core import TokenizedSet, entropy_weights
@@ -32,6 +32,9 @@ class CalibrationOutcome:
     entropy_weights: dict[str, torch.Tensor]  # each task's w_t on its real calibration tokens
     # The Ray job's run id, stream statistics and where its seconds went; None for the in-process loop.
     job: dict[str, object] | None = None
+    # The router's features of each task's calibration prompts ([rows with a prompt, d], at the headline
+    # layer), where calibration ran the merged model over rows with a prompt/response boundary anyway.
+    prompt_features: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def token_weights(features: TaskFeatures, settings: CalibrationSection) -> torch.Tensor:
@@ -60,7 +63,7 @@ def calibrate_stage(
     device = resolve_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
-    features = []
+    features, prompt_features = [], {}
     for index, (task, data) in enumerate(calibration_sets(config, sources, load_tokenizer(sources.base)).items()):
         # Experts are loaded one at a time and let go before the next: peak memory is the merged model plus one.
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
@@ -70,8 +73,12 @@ def calibrate_stage(
         )
         del expert
         gc.collect()
+        if data.has_boundary and settings.headline_layer() in features[-1].merged:
+            prompt_features[task], _ = row_prompt_features(features[-1].merged[settings.headline_layer()],
+                                                           data.attention_mask, data.response_mask)
     result = train_corrections(features, settings, merged, on_step=on_step)
     path = save_corrections_for(config.run_dir / CORRECTIONS_FILE, result.corrections, merged_dir)
     return CalibrationOutcome(
-        corrections_path=path, result=result, entropy_weights={f.task: token_weights(f, settings) for f in features}
+        corrections_path=path, result=result, entropy_weights={f.task: token_weights(f, settings) for f in features},
+        prompt_features=prompt_features,
     )

@@ -74,29 +74,39 @@ def task_prompts(
 
 
 def _labelled_features(
-    tasks: Sequence[str], prompts: Mapping[str, list[list[int]]], model: Callable[[], PreTrainedModel],
-    tokenizer: PreTrainedTokenizerBase, layer: LayerKey, batch_size: int, cache: OutputCache | None, identity: str,
+    tasks: Sequence[str], prompts: Mapping[str, list[list[int]]], known: Mapping[str, Tensor],
+    model: Callable[[], PreTrainedModel], tokenizer: PreTrainedTokenizerBase, layer: LayerKey, batch_size: int,
+    cache: OutputCache | None, identity: str,
 ) -> tuple[Tensor, Tensor]:
-    """Pooled features of every task's prompts, with the task's index as the label; through the output cache
-    when there is one (the merged model's features of the same prompts do not change between runs), so `model`
-    is only called (loaded) for features not kept yet."""
+    """Pooled features of every task's prompts, with the task's index as the label: a task's `known` features
+    where calibration pooled them already, else computed through the output cache when there is one (the
+    merged model's features of the same prompts do not change between runs), so `model` is only called
+    (loaded) for features not kept yet."""
     features, labels = [], []
     for index, task in enumerate(tasks):
-        if prompts.get(task):
+        if task in known:
+            pooled = known[task]
+        elif prompts.get(task):
             def compute(task: str = task) -> dict[str, Tensor]:
                 return {"features": prompt_features(model(), prompts[task], layer, pad_id(tokenizer), batch_size)}
 
             key = digest("prompt_features", identity, str(layer), batch_size, pad_id(tokenizer), prompts[task])
-            features.append(compute()["features"] if cache is None else cache.tensors(key, compute)["features"])
-            labels.append(torch.full((len(prompts[task]),), index, dtype=torch.long))
+            pooled = compute()["features"] if cache is None else cache.tensors(key, compute)["features"]
+        else:
+            continue
+        features.append(pooled)
+        labels.append(torch.full((len(pooled),), index, dtype=torch.long))
     return torch.cat(features), torch.cat(labels)
 
 
 def fit_run_router(
     config: RunConfig, data: Mapping[str, TaskFiles], merged_dir: Path, layer: LayerKey,
-    model: PreTrainedModel | None = None,
+    model: PreTrainedModel | None = None, calibration_features: Mapping[str, Tensor] | None = None,
 ) -> dict[str, Any]:
     """Fit the router on the run's calibration prompts, save RUN_DIR/router.safetensors, and report it.
+
+    `calibration_features`: tasks' prompt features at `layer` that calibration pooled from its own merged
+    forwards (`CalibrationOutcome.prompt_features`); the merged model runs only for the other tasks' prompts.
 
     With held-out data (of any task) the report has `accuracy` (top task = true task, whatever the
     confidence), `per_task`, and `below_threshold` (the share of held-out prompts that would get no
@@ -116,23 +126,26 @@ def fit_run_router(
             loaded.append(load_causal_lm(merged_dir, dtype=dtype, device=device))
         return loaded[0]
 
-    def labelled(split: str) -> tuple[Tensor, Tensor]:
+    def labelled(split: str, known: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         prompts = {task: task_prompts(data[task], split, config, tokenizer) for task in tasks
-                   if split != "heldout" or data[task].heldout is not None}
-        return _labelled_features(tasks, prompts, merged, tokenizer, layer, settings.batch_size, cache, identity)
+                   if task not in known and (split != "heldout" or data[task].heldout is not None)}
+        return _labelled_features(tasks, prompts, known, merged, tokenizer, layer, settings.batch_size, cache,
+                                  identity)
 
-    features, labels = labelled("calibration")
+    features, labels = labelled("calibration", calibration_features or {})
     router = fit_router(features, labels, tasks, layer, threshold=config.serve.router_threshold)
     train_accuracy = router.accuracy(features, labels)
     router.save(path, metadata={"train_accuracy": train_accuracy, "train_prompts": len(labels)})
     report: dict[str, Any] = {"path": str(path), "layer": layer, "threshold": router.threshold,
                               "train_accuracy": train_accuracy}
     if any(files.heldout is not None for files in data.values()):
-        features, labels = labelled("heldout")
+        features, labels = labelled("heldout", {})
         report["accuracy"] = router.accuracy(features, labels)
         report["per_task"] = {task: router.accuracy(features[labels == i], labels[labels == i])
                               for i, task in enumerate(tasks) if (labels == i).any()}
         report["below_threshold"] = float((router.route(features).task < 0).float().mean())
+    if calibration_features:
+        report["features_from_calibration"] = sorted(calibration_features)
     if cache is not None:
         report["output_cache"] = cache.counts()
     return report

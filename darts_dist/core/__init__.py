@@ -30,7 +30,7 @@ from darts_dist.core.metrics import (
     token_bias,
     token_nll,
 )
-from darts_dist.core.router import ROUTED, ROUTER_FILE, Routing, TaskRouter, pool_prompts
+from darts_dist.core.router import ROUTED, ROUTER_FILE, Routing, TaskRouter, pool_prompts, prompt_mask
 
 __all__ = [
     "BUCKET_LABELS",
@@ -65,6 +65,7 @@ __all__ = [
     "pad_rows",
     "parse_layer",
     "pool_prompts",
+    "prompt_mask",
     "read_header",
     "run_from",
     "save_corrections",

@@ -100,3 +100,12 @@ def pool_prompts(hidden: Tensor, attention_mask: Tensor) -> Tensor:
     """Each prompt's mean hidden state over its real tokens: [B, S, d] and [B, S] -> [B, d] fp32."""
     weights = attention_mask.unsqueeze(-1).float()
     return (hidden.float() * weights).sum(dim=1) / weights.sum(dim=1)
+
+
+def prompt_mask(attention_mask: Tensor, response_mask: Tensor) -> Tensor:
+    """A calibration row's prompt: its real tokens before the first response token, [B, S] bool.
+
+    A causal model's states there do not depend on the response, so pooling them gives the row's prompt
+    features without a pass over the prompt alone. Rows with no prompt (plain text, captured traffic) get none.
+    """
+    return attention_mask.bool() & (response_mask.long().cumsum(dim=1) == 0)

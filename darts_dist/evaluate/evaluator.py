@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.config import RunConfig
-from darts_dist.core import DartsCorrections, LayerKey, TaskRouter, TokenizedSet
+from darts_dist.core import DartsCorrections, TaskRouter, TokenizedSet
 from darts_dist.evaluate.passes import Outputs, Reference, TaskTally, corrected_outputs, merged_outputs, reference
 from darts_dist.evaluate.tables import overall
 from darts_dist.evaluate.task_scores import (
@@ -63,11 +63,6 @@ def scores_base(config: RunConfig, data: Mapping[str, TaskFiles]) -> bool:
     evaluation = config.evaluation
     return evaluation.score_base and evaluation.score_limit != 0 and any(
         scorer_named(files.scorer) is not None for files in data.values())
-
-
-def headline_layer(layers: Sequence[LayerKey]) -> LayerKey:
-    """Bias is reported at the final representation when corrected there, else at the last surgery layer."""
-    return "final" if "final" in layers else max(layers)
 
 
 @dataclass
@@ -118,7 +113,7 @@ class Evaluator:
         self.config = config
         self.data = data
         self.tokenizer = tokenizer
-        self.layer = headline_layer(config.calibration.layers)
+        self.layer = config.calibration.headline_layer()
         self.progress = progress
         # The output cache: the config's default folder unless given; none when the config turns it off.
         self.cache = (cache or OutputCache()) if config.evaluation.cache else None

@@ -98,6 +98,7 @@ class JobResult:
     losses: list[float]
     rows: dict[int, dict[str, list[int]]]  # worker rank -> task -> the row ids it trained on
     entropy: dict[str, dict[int, np.ndarray]]  # task -> row -> the expert's H_t on the row's tokens
+    prompt_features: dict[str, dict[int, np.ndarray]]  # task -> row -> the router's features of its prompt
     stream: dict[str, float]  # rows, bytes (of hidden states received), spilled_bytes, peak_memory_bytes
     timings: dict[str, float]  # seconds: startup, stream, train, total
     # The step this job's last attempt started training from: None for a fresh start, the last step
@@ -211,10 +212,19 @@ def _user_error(error: ray.train.TrainingFailedError) -> DartsError | None:
     return None
 
 
+def _task_rows(path: Path) -> Iterator[tuple[str, int, np.ndarray]]:
+    """A worker's per-row file (keys "task/row"), row by row."""
+    with np.load(path) as saved:
+        for key in saved.files:
+            task, row = key.rsplit("/", 1)
+            yield task, int(row), saved[key]
+
+
 def _read_checkpoint(
     checkpoint: ray.train.Checkpoint,
-) -> tuple[DartsCorrections | torch.Tensor, dict, dict, dict]:
-    """The trained parameters (corrections, or the coefficients of a coefficients fit), progress, rows, entropy."""
+) -> tuple[DartsCorrections | torch.Tensor, dict, dict, dict, dict]:
+    """The trained parameters (corrections, or the coefficients of a coefficients fit), progress, rows, entropy
+    and the router's prompt features (task -> row -> vector)."""
     with checkpoint.as_directory() as folder:
         folder = Path(folder)
         if (folder / CHECKPOINT_COEFFICIENTS).is_file():
@@ -227,12 +237,14 @@ def _read_checkpoint(
         for path in sorted(folder.glob("rows-*.npz")):
             rank = int(path.stem.split("-")[1])
             rows[rank] = {}
-            with np.load(path) as saved:
-                for key in saved.files:
-                    task, row = key.rsplit("/", 1)
-                    rows[rank].setdefault(task, []).append(int(row))
-                    entropy.setdefault(task, {})[int(row)] = saved[key]
-    return trained, progress, rows, entropy
+            for task, row, values in _task_rows(path):
+                rows[rank].setdefault(task, []).append(row)
+                entropy.setdefault(task, {})[row] = values
+        prompts: dict[str, dict[int, np.ndarray]] = {}
+        for path in folder.glob("prompts-*.npz"):
+            for task, row, values in _task_rows(path):
+                prompts.setdefault(task, {})[row] = values
+    return trained, progress, rows, entropy, prompts
 
 
 def stream_window_rows(plan: JobPlan) -> int:
@@ -275,6 +287,10 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 "init": list(plan.init),
                 "cpu": cpu,
                 "window": window,
+                # The router's features of the tasks whose rows have a prompt, pooled by the merged forwards.
+                "router": {"layer": settings.headline_layer(),
+                           "tasks": [task for task, data in plan.data.items() if data.has_boundary]}
+                if plan.fit == "corrections" else None,
             },
             scaling_config=ray.train.ScalingConfig(
                 num_workers=cluster.num_workers,
@@ -307,7 +323,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 raise (_user_error(error) or error) from None
         nodes = node_table()  # while connected: the nodes' addresses and resources, for the record
     finished = time.time()
-    trained, progress, rows, entropy = _read_checkpoint(result.checkpoint)
+    trained, progress, rows, entropy, prompts = _read_checkpoint(result.checkpoint)
     coefficients = plan.fit == "coefficients"
     if coefficients != isinstance(trained, torch.Tensor):
         raise DartsError(f"the Ray run {plan.run_id} in {plan.storage_path} holds a checkpoint of another kind "
@@ -324,6 +340,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
         losses=progress["losses"],
         rows=rows,
         entropy=entropy,
+        prompt_features=prompts,
         stream=progress["stream"],
         timings={
             "startup": timings["worker_start"] - started + timings["setup"],
@@ -437,7 +454,10 @@ def calibrate_distributed(
                "placement": job.placement,
                "stream": {**job.stream, "object_store_peak_bytes": job.object_store_peak_bytes},
                "seconds": job.timings}
-    return CalibrationOutcome(corrections_path=path, result=result, entropy_weights=weights, job=details)
+    prompts = {task: torch.from_numpy(np.stack([by_row[row] for row in sorted(by_row)]))
+               for task, by_row in job.prompt_features.items()}
+    return CalibrationOutcome(corrections_path=path, result=result, entropy_weights=weights, job=details,
+                              prompt_features=prompts)
 
 
 def fit_coefficients_distributed(

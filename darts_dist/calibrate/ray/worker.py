@@ -28,7 +28,13 @@ import torch.distributed as dist
 from torch import nn
 
 from darts_dist.calibrate.coefficients import CoefficientModule, read_task_vectors
-from darts_dist.calibrate.features import TaskFeatures, features_only, first_decoder_layer, merged_hidden
+from darts_dist.calibrate.features import (
+    TaskFeatures,
+    features_only,
+    first_decoder_layer,
+    merged_hidden,
+    row_prompt_features,
+)
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
 from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share, training_threads
 from darts_dist.calibrate.ray.feature_store import FeatureStore
@@ -49,6 +55,12 @@ FAIL_WORKER_AT_STEP = "DARTS_DIST_FAIL_WORKER_AT_STEP"  # read by the driver, wh
 def rows_file(rank: int) -> str:
     """Per worker: the entropy H_t of every row it trained on, keyed "task/row" (so its row ids too)."""
     return f"rows-{rank}.npz"
+
+
+def prompts_file(rank: int) -> str:
+    """Per worker: the router's features of its rows' prompts (calibrate.features.row_prompt_features), keyed
+    "task/row"."""
+    return f"prompts-{rank}.npz"
 
 
 def merged_column(layer: object) -> str:
@@ -156,6 +168,20 @@ class Progress:
             logger.info("calibrate: %s", message)
 
 
+@dataclass
+class RouterFeatures:
+    """The router's prompt features of this worker's rows of `tasks` (those with a prompt/response boundary),
+    pooled at `layer` from the merged forwards the stream runs anyway; keyed "task/row" for the checkpoint."""
+
+    layer: object
+    tasks: Sequence[str]
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def add(self, task: str, rows: Sequence[int], pooled: torch.Tensor, has_prompt: torch.Tensor) -> None:
+        for row, vector in zip((r for r, kept in zip(rows, has_prompt.tolist()) if kept), pooled.numpy()):
+            self.pooled[f"{task}/{int(row)}"] = vector
+
+
 def in_lockstep(items: Iterator, device: torch.device) -> Iterator:
     """Every item, then None until all ranks are done: ZeRO-3 gathers weights with collectives, so
     every rank must run as many forwards as the rank with the most batches."""
@@ -178,6 +204,7 @@ def drain(
     log: Progress,
     expert_nodes: dict[str, set[str]],
     turn: ForwardTurn | None = None,
+    router: RouterFeatures | None = None,
 ) -> int:
     """Keep this worker's rows of every task in `store`; returns the bytes of hidden states received.
     `expert_nodes` gets, per task, the nodes its expert actors ran on.
@@ -186,34 +213,39 @@ def drain(
     the model, it runs once per row and each row keeps the hidden states entering the lowest corrected layer
     (START_COLUMN), so steps run the layers from there on (not under ZeRO-3, whose weight gathering follows the module order).
     Without a merged model (the merge coefficients' fit) rows are kept as they come. The merged forwards take
-    `turn` (a CPU node's turns with the expert actors).
+    `turn` (a CPU node's turns with the expert actors), and pool the router's prompt features into `router`.
     """
     turn = turn or ForwardTurn(enabled=False)
     with_merged = merged_model is not None and features_only(settings.layers)
     start = 0 if lockstep or merged_model is None else first_decoder_layer(settings.layers)
     if lockstep and with_merged:
         batches = in_lockstep(batches, device)
+    kept_layers = list(settings.layers) if with_merged else [start - 1] if start else []
+    captured = list(dict.fromkeys(kept_layers + ([router.layer] if router is not None else [])))
     received = rows = 0
     started = time.perf_counter()
     for item in batches:
         if item is None:  # this rank is done, others are not: a one-token forward keeps gathers in step
             merged_hidden(merged_model, torch.ones(1, 1, dtype=torch.long, device=device),
-                          torch.ones(1, 1, dtype=torch.long, device=device), settings.layers)
+                          torch.ones(1, 1, dtype=torch.long, device=device), captured)
             continue
         task, batch = item
         merged = {}
-        if with_merged or start:
+        if kept_layers:
             ids, mask = (pad_rows(batch[name]).to(device) for name in ("input_ids", "attention_mask"))
             with turn:
-                merged = merged_hidden(merged_model, ids, mask, settings.layers if with_merged else [start - 1])
+                merged = merged_hidden(merged_model, ids, mask, captured)
+            if router is not None and task in router.tasks:
+                router.add(task, batch["row"], *row_prompt_features(merged[router.layer], mask,
+                                                                   pad_rows(batch["response_mask"])))
         for i, row in enumerate(batch["row"]):
             length = len(batch["input_ids"][i])
             arrays = {name: batch[name][i] for name in (*TOKEN_FIELDS, "entropy")}
             for layer in settings.loss_layers():
                 received += batch[target_column(layer)][i].nbytes
                 arrays[target_column(layer)] = from_wire(batch[target_column(layer)][i])
-            for layer, hidden in merged.items():
-                arrays[merged_column(layer) if with_merged else START_COLUMN] = hidden[i, :length].cpu().numpy()
+            for layer in kept_layers:
+                arrays[merged_column(layer) if with_merged else START_COLUMN] = merged[layer][i, :length].cpu().numpy()
             store.add(task, int(row), arrays)
         rows += len(batch["row"])
         expert_nodes.setdefault(task, set()).update(batch["node"])
@@ -304,11 +336,12 @@ def reduce_over_ranks(values: Sequence[float], device: torch.device, op: str = "
 
 
 def save_checkpoint(
-    engine: deepspeed.DeepSpeedEngine, state: TrainState, rows: Mapping[str, np.ndarray], progress: dict
+    engine: deepspeed.DeepSpeedEngine, state: TrainState, records: Mapping[str, Mapping[str, np.ndarray]],
+    progress: dict,
 ) -> None:
-    """Every rank: DeepSpeed's state (its own optimizer partition) and its rows; rank 0 also the whole trained
-    parameters (corrections or merge coefficients) and the progress. Ray Train merges the ranks' folders into
-    one checkpoint."""
+    """Every rank: DeepSpeed's state (its own optimizer partition) and its rows' records (file name -> arrays);
+    rank 0 also the whole trained parameters (corrections or merge coefficients) and the progress. Ray Train
+    merges the ranks' folders into one checkpoint."""
     rank = dist.get_rank()
     with tempfile.TemporaryDirectory(prefix="darts-checkpoint-") as folder:
         engine.save_checkpoint(folder, tag=ENGINE_TAG, exclude_frozen_parameters=True)
@@ -318,7 +351,8 @@ def save_checkpoint(
         if rank == 0:
             progress = {**progress, "step": state.step, "losses": state.losses, "resumed_from": state.resumed_from}
             (Path(folder) / PROGRESS_FILE).write_text(json.dumps(progress))
-        np.savez(Path(folder) / rows_file(rank), **rows)
+        for name, arrays in records.items():
+            np.savez(Path(folder) / name, **arrays)
         metrics = {"step": state.step, "loss": state.losses[-1]}
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
@@ -366,8 +400,9 @@ def train_loop_per_worker(config: dict) -> None:
         store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
         expert_nodes: dict[str, set[str]] = {}
         merged_model = engine.module.merged if isinstance(engine.module, CalibrationModule) else None
+        router = RouterFeatures(**config["router"]) if config.get("router") else None
         received = drain(stream, merged_model, device, store, settings, lockstep=config["zero_stage"] == 3, log=log,
-                         expert_nodes=expert_nodes, turn=turn)
+                         expert_nodes=expert_nodes, turn=turn, router=router)
         row_ids = {task: store.row_ids(task) for task in tasks}
         missing = [task for task, ids in row_ids.items() if not ids]
         if missing:
@@ -387,7 +422,10 @@ def train_loop_per_worker(config: dict) -> None:
                                         "owned": {e: [str(k) for k in ks] for e, ks in engine.module.owned.items()}}
         if device.type == "cpu":
             torch.set_num_threads(training_threads(ray.train.get_context().get_local_world_size(), node_cores()))
-        train_steps(engine, features, state, config, row_entropies(features, row_ids), progress, log)
+        records = {rows_file(rank): row_entropies(features, row_ids)}
+        if router is not None:
+            records[prompts_file(rank)] = router.pooled
+        train_steps(engine, features, state, config, records, progress, log)
 
 
 def train_steps(
@@ -395,7 +433,7 @@ def train_steps(
     features: Sequence[TaskFeatures],
     state: TrainState,
     config: Mapping[str, object],
-    rows: Mapping[str, np.ndarray],
+    records: Mapping[str, Mapping[str, np.ndarray]],
     progress: dict,
     log: Progress,
 ) -> None:
@@ -430,5 +468,5 @@ def train_steps(
             if torch.cuda.is_available():
                 memory = reduce_over_ranks([torch.cuda.max_memory_allocated()], loss.device, "max")[0]
                 progress["peak_gpu_memory_bytes"] = memory
-            save_checkpoint(engine, state, rows, progress)
+            save_checkpoint(engine, state, records, progress)
     log(f"step {state.step}/{settings.steps}, loss {state.losses[-1]:.4f}", force=True)
