@@ -125,27 +125,36 @@ def ray_processes() -> Iterator[psutil.Process]:
 
 
 class PeakMemory:
-    """Peak resident memory of this process and of Ray's worker and expert actors, sampled in a thread."""
+    """Peak memory of this process and of Ray's worker and expert actors, sampled in a thread: `peak` is each
+    kind's private memory (resident and not shared: RSS less the file-backed and shared-memory pages, which are
+    the object store's blocks a process reads and the spilled feature files it maps, counted apart as the
+    object store and the spilled disk, and which the kernel may drop), `peak_rss` its whole resident set."""
 
     KINDS = {"RayTrainWorker": "train_workers", "MapWorker": "expert_actors"}
 
     def __init__(self, interval: float = 0.25) -> None:
         self.interval = interval
         self.peak = {"driver": 0, "train_workers": 0, "expert_actors": 0}
+        self.peak_rss = dict(self.peak)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> None:
-        used = {"driver": psutil.Process().memory_info().rss, "train_workers": 0, "expert_actors": 0}
+        processes = [("driver", psutil.Process())]
         for process in ray_processes():
             kind = next((k for title, k in self.KINDS.items() if title in process.info["cmdline"][0]), None)
-            if kind is None:
-                continue
+            if kind is not None:
+                processes.append((kind, process))
+        private, rss = dict.fromkeys(self.peak, 0), dict.fromkeys(self.peak, 0)
+        for kind, process in processes:
             try:
-                used[kind] = max(used[kind], process.memory_info().rss)  # the largest of its kind
+                info = process.memory_info()
             except psutil.Error:  # it ended between listing and reading
                 continue
-        self.peak = {kind: max(self.peak[kind], used[kind]) for kind in self.peak}
+            private[kind] = max(private[kind], info.rss - info.shared)  # the largest of its kind
+            rss[kind] = max(rss[kind], info.rss)
+        self.peak = {kind: max(self.peak[kind], private[kind]) for kind in self.peak}
+        self.peak_rss = {kind: max(self.peak_rss[kind], rss[kind]) for kind in self.peak}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

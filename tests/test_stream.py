@@ -11,9 +11,15 @@ import torch
 
 from darts_dist.calibrate.features import expert_targets
 from darts_dist.calibrate.ray.feature_store import FeatureStore
-from darts_dist.calibrate.ray.stream import ExpertStream, from_wire, source_rows, target_column, to_wire
-from darts_dist.calibrate.ray.window import StreamWindow, window_rows
-from darts_dist.core import pad_rows
+from darts_dist.calibrate.ray.stream import (
+    ExpertStream,
+    from_wire,
+    source_rows,
+    target_column,
+    to_wire,
+    token_column,
+)
+from darts_dist.calibrate.ray.window import StreamWindow, window_tokens
 from darts_dist.sources.data import load_rows, tokenize_rows
 from darts_dist.sources.models import load_causal_lm
 from darts_dist.sources.references import demo_data
@@ -33,7 +39,8 @@ def test_source_rows_are_the_samples_cut_to_their_length(code_set) -> None:
     lengths = code_set.attention_mask.sum(dim=1).tolist()
     assert [len(row["input_ids"]) for row in rows] == lengths
     for name in ("input_ids", "attention_mask", "response_mask"):
-        padded = pad_rows([row[name] for row in rows])
+        assert rows[0][name].itemsize == (4 if name == "input_ids" else 1)  # compact on the wire
+        padded = token_column([row[name] for row in rows])
         assert torch.equal(padded, getattr(code_set, name)[:, : max(lengths)])
 
 
@@ -121,21 +128,24 @@ def test_feature_store_refuses_rows_that_do_not_fit(tmp_path: Path) -> None:
 
 
 def test_the_window_holds_an_expert_until_the_workers_received_its_rows(ray_cluster) -> None:
-    """An expert waits while its task has `limit` rows in flight; a retried batch (same rows) is not counted
-    twice; a batch larger than the window still enters an empty one; tasks have windows of their own."""
+    """An expert waits while its task has `limit` tokens in flight, whatever the rows' count; a retried batch
+    (same rows) is not counted twice; a batch larger than the window still enters an empty one; tasks have
+    windows of their own."""
     import ray
 
-    window = StreamWindow.remote(10)
-    ray.get(window.enter.remote("code", list(range(8))))
-    blocked = window.enter.remote("code", list(range(8, 16)))
-    assert not ray.wait([blocked], timeout=1.0)[0]  # 16 rows would be in flight
-    ray.get(window.enter.remote("math", list(range(8))))  # another task's window is its own
-    ray.get(window.enter.remote("code", list(range(8))))  # a retried batch: already in flight, enters at once
+    window = StreamWindow.remote(100)
+    ray.get(window.enter.remote("code", list(range(8)), [10] * 8))  # 80 tokens
+    blocked = window.enter.remote("code", [8, 9], [12, 12])
+    assert not ray.wait([blocked], timeout=1.0)[0]  # 104 tokens would be in flight
+    ray.get(window.enter.remote("code", [10, 11], [10, 10]))  # two shorter rows fit: 100 tokens
+    ray.get(window.enter.remote("math", list(range(8)), [10] * 8))  # another task's window is its own
+    ray.get(window.enter.remote("code", list(range(8)), [10] * 8))  # a retried batch: already in flight, enters at once
+    assert ray.get(window.tokens_in_flight.remote()) == {"code": 100, "math": 80}
     window.leave.remote("code", list(range(8)))
     ray.get(blocked, timeout=30)
-    assert ray.get(window.rows_in_flight.remote()) == {"code": 8, "math": 8}
-    window.leave.remote("code", list(range(8, 16)))
-    ray.get(window.enter.remote("code", list(range(100, 120))), timeout=30)  # larger than the window, empty
-    # At least the batches Ray Data's split may hold back per worker (2) plus one; else the configured bytes.
-    assert window_rows(2, 295_000, 8, 1) == 24 and window_rows(2, 295_000, 8, 2) == 40
-    assert window_rows(256, 295_000, 8, 1) == (256 << 20) // 295_000
+    assert ray.get(window.tokens_in_flight.remote()) == {"code": 44, "math": 80}
+    window.leave.remote("code", [8, 9, 10, 11])
+    ray.get(window.enter.remote("code", list(range(100, 120)), [24] * 20), timeout=30)  # larger than the window, empty
+    # At least the longest batches Ray Data's split may hold back per worker (2) plus one; else the configured bytes.
+    assert window_tokens(2, 2308, 8, 128, 1) == 3 * 8 * 128 and window_tokens(2, 2308, 8, 128, 2) == 5 * 8 * 128
+    assert window_tokens(256, 2308, 8, 128, 1) == (256 << 20) // 2308

@@ -52,7 +52,7 @@ from darts_dist.calibrate.ray.placement import (
     worker_bundle,
 )
 from darts_dist.calibrate.ray.stream import ExactlyOnceSplit, expert_stream
-from darts_dist.calibrate.ray.window import StreamWindow, window_rows
+from darts_dist.calibrate.ray.window import StreamWindow, window_tokens
 from darts_dist.calibrate.ray.worker import (
     CHECKPOINT_CORRECTIONS,
     FAIL_WORKER_AT_STEP,
@@ -247,14 +247,15 @@ def _read_checkpoint(
     return trained, progress, rows, entropy, prompts
 
 
-def stream_window_rows(plan: JobPlan) -> int:
-    """Rows a task's expert may have in flight: `cluster.stream_buffer_mb` of its rows' hidden states (as they
+def stream_window_tokens(plan: JobPlan) -> int:
+    """Tokens a task's expert may have in flight: `cluster.stream_buffer_mb` of its rows' hidden states (as they
     travel: fp32 on CPUs, the compute dtype on GPUs) and entropies."""
     settings = plan.settings
     wire_bytes = 4 if not plan.cluster.use_gpu or settings.dtype == "float32" else 2
     hidden = read_model_info(plan.merged_dir).hidden_size
-    row_bytes = settings.max_length * (hidden * wire_bytes * len(settings.loss_layers()) + 4)
-    return window_rows(plan.cluster.stream_buffer_mb, row_bytes, settings.batch_size, plan.cluster.num_workers)
+    token_bytes = hidden * wire_bytes * len(settings.loss_layers()) + 4
+    return window_tokens(plan.cluster.stream_buffer_mb, token_bytes, settings.batch_size, settings.max_length,
+                         plan.cluster.num_workers)
 
 
 def run_calibration_job(plan: JobPlan) -> JobResult:
@@ -269,7 +270,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
         # put more on one node: the share is then too large there, as it would be without the rule).
         nodes = sum(1 for node in alive_nodes() if node["Resources"].get("CPU"))
         cpu = (cluster.cpu_schedule, per_node(len(plan.data) + cluster.num_workers, nodes))
-        window = StreamWindow.remote(stream_window_rows(plan))
+        window = StreamWindow.remote(stream_window_tokens(plan))
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={

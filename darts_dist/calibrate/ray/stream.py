@@ -32,9 +32,14 @@ from darts_dist.config import CalibrationSection, ClusterSection, CpuSchedule
 from darts_dist.fanin import fan_in
 
 if TYPE_CHECKING:
+    import torch
+
     from darts_dist.core import LayerKey, TokenizedSet
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "response_mask")
+# Token rows travel compact, 6 bytes a token instead of 24: the source holds every row in the object store for
+# the whole stream, so they are what grows there with the data. `token_column` and `stored_tokens` widen them.
+WIRE_DTYPES = {"input_ids": np.int32, "attention_mask": np.bool_, "response_mask": np.bool_}
 Batch = dict[str, np.ndarray]  # a batch of rows as Ray Data hands it over: one array per column
 
 
@@ -50,10 +55,22 @@ def source_rows(data: TokenizedSet) -> list[dict[str, object]]:
         {
             "task": data.task,
             "row": row,
-            **{name: getattr(data, name)[row, :length].numpy() for name in TOKEN_FIELDS},
+            **{name: getattr(data, name)[row, :length].numpy().astype(WIRE_DTYPES[name]) for name in TOKEN_FIELDS},
         }
         for row, length in enumerate(lengths)
     ]
+
+
+def token_column(column: Sequence[np.ndarray]) -> torch.Tensor:
+    """A batch's token rows as the models read them: right-padded, int64 [B, max length]."""
+    from darts_dist.core import pad_rows
+
+    return pad_rows(column).long()
+
+
+def stored_tokens(batch: Batch, i: int) -> dict[str, np.ndarray]:
+    """Row i's token fields as the workers keep them (int64, as TokenizedSet holds them)."""
+    return {name: np.asarray(batch[name][i], dtype=np.int64) for name in TOKEN_FIELDS}
 
 
 def to_wire(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -125,14 +142,13 @@ class ExpertStream:
 
     def __call__(self, batch: Batch) -> Batch:
         from darts_dist.calibrate.features import expert_targets
-        from darts_dist.core import pad_rows
 
         self._maybe_fail()
-        if self.window is not None:
-            ray.get(self.window.enter.remote(str(batch["task"][0]), [int(row) for row in batch["row"]]))
         lengths = [len(ids) for ids in batch["input_ids"]]
-        ids = pad_rows(batch["input_ids"]).to(self.device)
-        mask = pad_rows(batch["attention_mask"]).to(self.device)
+        if self.window is not None:
+            ray.get(self.window.enter.remote(str(batch["task"][0]), [int(row) for row in batch["row"]], lengths))
+        ids = token_column(batch["input_ids"]).to(self.device)
+        mask = token_column(batch["attention_mask"]).to(self.device)
         with self.turn:
             hidden, entropy = expert_targets(self.model, ids, mask, self.layers)
         rows = {name: batch[name] for name in ("task", "row", *TOKEN_FIELDS)}

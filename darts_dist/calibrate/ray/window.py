@@ -1,12 +1,15 @@
-"""The stream's window: how many rows of a task its expert may have made that no training worker has received.
+"""The stream's window: how many tokens of a task's rows its expert may have made that no training worker has
+received.
 
 Ray Data's object-store budget (`cluster.stream_buffer_mb`, the stream's ExecutionOptions) stops counting a
 block once the `streaming_split` coordinator holds it for the workers (ray-project/ray#39595: no back-pressure
 from the consumers to the coordinator), so experts that outpace the workers filled the object store with rows
 waiting for them, more the longer the stream. Here the experts ask before each batch (`enter`) and the workers
-say what reached them (`leave`): an expert waits while its task has `limit` rows in flight. A batch retried
-after its actor died enters again with the same row ids and is not counted twice; a batch larger than the
-limit still enters an empty window, so the stream always moves.
+say what reached them (`leave`): an expert waits while its task has `limit` tokens in flight. Tokens, not rows:
+a row's hidden states are its length times a fixed size, so the window holds the same bytes whatever rows the
+data has (counted in rows, a longer set drew more long rows into it and peaked higher). A batch retried after
+its actor died enters again with the same row ids and is not counted twice; a batch larger than the limit still
+enters an empty window, so the stream always moves.
 
 Imports stay light (no torch): the stream's Ray Data actors import this module.
 """
@@ -21,27 +24,30 @@ import ray
 
 @ray.remote(num_cpus=0)
 class StreamWindow:
-    """Rows in flight per task (made by the expert, not yet received by a worker), at most `limit`."""
+    """Tokens in flight per task (rows made by the expert, not yet received by a worker), at most `limit`."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.in_flight: dict[str, set[int]] = {}
+        self.in_flight: dict[str, dict[int, int]] = {}  # task -> row -> its tokens
         self.changed = asyncio.Condition()
 
-    async def enter(self, task: str, rows: Sequence[int]) -> None:
-        """Return once `rows` fit in the task's window (at once for rows already in it)."""
+    async def enter(self, task: str, rows: Sequence[int], lengths: Sequence[int]) -> None:
+        """Return once `rows` (of `lengths` tokens) fit in the task's window (at once for rows already in it)."""
+        entering = dict(zip(rows, lengths))
         async with self.changed:
-            flying = self.in_flight.setdefault(task, set())
-            await self.changed.wait_for(lambda: not flying or len(flying | set(rows)) <= self.limit)
-            flying.update(rows)
+            flying = self.in_flight.setdefault(task, {})
+            await self.changed.wait_for(lambda: not flying or sum({**flying, **entering}.values()) <= self.limit)
+            flying.update(entering)
 
     async def leave(self, task: str, rows: Sequence[int]) -> None:
         async with self.changed:
-            self.in_flight.setdefault(task, set()).difference_update(rows)
+            flying = self.in_flight.setdefault(task, {})
+            for row in rows:
+                flying.pop(row, None)
             self.changed.notify_all()
 
-    def rows_in_flight(self) -> dict[str, int]:
-        return {task: len(rows) for task, rows in self.in_flight.items()}
+    def tokens_in_flight(self) -> dict[str, int]:
+        return {task: sum(rows.values()) for task, rows in self.in_flight.items()}
 
 
 # Ray Data's OutputSplitter may hold back up to RAY_DATA_DEFAULT_OUTPUT_SPLITTER_MAX_BUFFERING_FACTOR (2) blocks per
@@ -50,8 +56,8 @@ class StreamWindow:
 SPLITTER_BLOCKS_PER_WORKER = 2
 
 
-def window_rows(buffer_mb: int, row_bytes: int, batch_size: int, workers: int) -> int:
-    """The rows of one task's window: `buffer_mb` of hidden states (at `row_bytes` a row), and at least the batches
-    the split may hold back plus one, so that the stream always moves."""
-    least = batch_size * (SPLITTER_BLOCKS_PER_WORKER * workers + 1)
-    return max(least, (buffer_mb << 20) // max(row_bytes, 1))
+def window_tokens(buffer_mb: int, token_bytes: int, batch_size: int, max_length: int, workers: int) -> int:
+    """The tokens of one task's window: `buffer_mb` of hidden states (at `token_bytes` a token), and at least the
+    longest batches the split may hold back plus one, so that the stream always moves."""
+    least = batch_size * max_length * (SPLITTER_BLOCKS_PER_WORKER * workers + 1)
+    return max(least, (buffer_mb << 20) // max(token_bytes, 1))

@@ -38,9 +38,9 @@ from darts_dist.calibrate.features import (
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
 from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share, training_threads
 from darts_dist.calibrate.ray.feature_store import FeatureStore
-from darts_dist.calibrate.ray.stream import TOKEN_FIELDS, arrivals, from_wire, target_column
+from darts_dist.calibrate.ray.stream import arrivals, from_wire, stored_tokens, target_column, token_column
 from darts_dist.config import CalibrationSection
-from darts_dist.core import DartsCorrections, attach_corrections, mask_positions, pad_rows, save_corrections
+from darts_dist.core import DartsCorrections, attach_corrections, mask_positions, save_corrections
 from darts_dist.errors import DartsError
 from darts_dist.logs import show_progress_logs
 from darts_dist.sources.models import load_causal_lm, model_dtype
@@ -232,15 +232,15 @@ def drain(
         task, batch = item
         merged = {}
         if kept_layers:
-            ids, mask = (pad_rows(batch[name]).to(device) for name in ("input_ids", "attention_mask"))
+            ids, mask = (token_column(batch[name]).to(device) for name in ("input_ids", "attention_mask"))
             with turn:
                 merged = merged_hidden(merged_model, ids, mask, captured)
             if router is not None and task in router.tasks:
                 router.add(task, batch["row"], *row_prompt_features(merged[router.layer], mask,
-                                                                   pad_rows(batch["response_mask"])))
+                                                                   token_column(batch["response_mask"])))
         for i, row in enumerate(batch["row"]):
             length = len(batch["input_ids"][i])
-            arrays = {name: batch[name][i] for name in (*TOKEN_FIELDS, "entropy")}
+            arrays = {**stored_tokens(batch, i), "entropy": batch["entropy"][i]}
             for layer in settings.loss_layers():
                 received += batch[target_column(layer)][i].nbytes
                 arrays[target_column(layer)] = from_wire(batch[target_column(layer)][i])
