@@ -146,6 +146,9 @@ def test_the_window_holds_an_expert_until_the_workers_received_its_rows(ray_clus
     assert ray.get(window.tokens_in_flight.remote()) == {"code": 44, "math": 80}
     window.leave.remote("code", [8, 9, 10, 11])
     ray.get(window.enter.remote("code", list(range(100, 120)), [24] * 20), timeout=30)  # larger than the window, empty
-    # At least the longest batches Ray Data's split may hold back per worker (2) plus one; else the configured bytes.
-    assert window_tokens(2, 2308, 8, 128, 1) == 3 * 8 * 128 and window_tokens(2, 2308, 8, 128, 2) == 5 * 8 * 128
-    assert window_tokens(256, 2308, 8, 128, 1) == (256 << 20) // 2308
+    # At least the batches Ray Data's split may hold back per worker (2) plus one, of any task's longest rows;
+    # else the configured bytes.
+    lengths = [[128] * 10 + [40] * 100, [100] * 50]
+    assert window_tokens(2, 2308, lengths, 8, 1) == 24 * 100  # 10 rows of 128 and 14 of 40 < 24 of 100
+    assert window_tokens(2, 2308, lengths, 8, 2) == 40 * 100
+    assert window_tokens(256, 2308, lengths, 8, 1) == (256 << 20) // 2308

@@ -72,7 +72,7 @@ def row_prompt_features(
     its prompt (the same tokens, and causal attention never sees the response)."""
     mask = prompt_mask(attention_mask.to(hidden.device), response_mask.to(hidden.device))
     has_prompt = mask.any(dim=1)
-    return pool_prompts(hidden[has_prompt], mask[has_prompt]).cpu(), has_prompt.cpu()
+    return pool_prompts(hidden, mask)[has_prompt].cpu(), has_prompt.cpu()
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +56,13 @@ def calibration_sets(config: RunConfig, sources: ResolvedSources, tokenizer) -> 
     return sets
 
 
+def router_tasks(sets: Mapping[str, TokenizedSet], sources: ResolvedSources) -> list[str]:
+    """The tasks whose calibration rows give the router its features (calibrate.features.row_prompt_features):
+    rows with a prompt part, from the data file alone (with captured traffic the set holds fewer file rows than
+    the router reads, and the traffic rows have no prompt part to pool)."""
+    return [task for task, data in sets.items() if data.has_boundary and sources.data[task].traffic is None]
+
+
 def calibrate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, on_step: StepCallback | None = None
 ) -> CalibrationOutcome:
@@ -64,7 +72,9 @@ def calibrate_stage(
     dtype = model_dtype(settings.dtype, device)
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
     features, prompt_features = [], {}
-    for index, (task, data) in enumerate(calibration_sets(config, sources, load_tokenizer(sources.base)).items()):
+    sets = calibration_sets(config, sources, load_tokenizer(sources.base))
+    pooled_tasks = router_tasks(sets, sources)
+    for index, (task, data) in enumerate(sets.items()):
         # Experts are loaded one at a time and let go before the next: peak memory is the merged model plus one.
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
         merged_for_features = merged if features_only(settings.layers) else None
@@ -73,7 +83,7 @@ def calibrate_stage(
         )
         del expert
         gc.collect()
-        if data.has_boundary and settings.headline_layer() in features[-1].merged:
+        if task in pooled_tasks and settings.headline_layer() in features[-1].merged:
             prompt_features[task], _ = row_prompt_features(features[-1].merged[settings.headline_layer()],
                                                            data.attention_mask, data.response_mask)
     result = train_corrections(features, settings, merged, on_step=on_step)

@@ -132,7 +132,8 @@ def fit_run_router(
         return _labelled_features(tasks, prompts, known, merged, tokenizer, layer, settings.batch_size, cache,
                                   identity)
 
-    features, labels = labelled("calibration", calibration_features or {})
+    calibration_features = {task: pooled for task, pooled in (calibration_features or {}).items() if len(pooled)}
+    features, labels = labelled("calibration", calibration_features)
     router = fit_router(features, labels, tasks, layer, threshold=config.serve.router_threshold)
     train_accuracy = router.accuracy(features, labels)
     router.save(path, metadata={"train_accuracy": train_accuracy, "train_prompts": len(labels)})

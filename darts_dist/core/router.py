@@ -97,9 +97,10 @@ class TaskRouter:
 
 @torch.no_grad()
 def pool_prompts(hidden: Tensor, attention_mask: Tensor) -> Tensor:
-    """Each prompt's mean hidden state over its real tokens: [B, S, d] and [B, S] -> [B, d] fp32."""
-    weights = attention_mask.unsqueeze(-1).float()
-    return (hidden.float() * weights).sum(dim=1) / weights.sum(dim=1)
+    """Each prompt's mean hidden state over its real tokens: [B, S, d] and [B, S] -> [B, d] fp32 (NaN for a row
+    without any). One contraction: no masked copy of the states, which may be a whole calibration set's."""
+    weights = attention_mask.to(hidden.device).float()
+    return torch.einsum("bs,bsd->bd", weights, hidden.float()) / weights.sum(dim=1, keepdim=True)
 
 
 def prompt_mask(attention_mask: Tensor, response_mask: Tensor) -> Tensor:

@@ -39,7 +39,7 @@ from darts_dist.calibrate.coefficients import (
 )
 from darts_dist.calibrate.corrections import save_corrections_for
 from darts_dist.calibrate.features import TaskFeatures
-from darts_dist.calibrate.in_process import CalibrationOutcome, calibration_sets, token_weights
+from darts_dist.calibrate.in_process import CalibrationOutcome, calibration_sets, router_tasks, token_weights
 from darts_dist.calibrate.loop import CalibrationResult, StepCallback
 from darts_dist.calibrate.ray.cpu_share import per_node
 from darts_dist.calibrate.ray.placement import (
@@ -88,6 +88,7 @@ class JobPlan:
     # vectors, starting from `init`, with merged_dir the base.
     fit: Literal["corrections", "coefficients"] = "corrections"
     init: tuple[float, ...] = ()
+    router_tasks: tuple[str, ...] = ()  # tasks whose rows' prompt features the workers pool (in_process.router_tasks)
 
 
 @dataclass
@@ -254,7 +255,8 @@ def stream_window_tokens(plan: JobPlan) -> int:
     wire_bytes = 4 if not plan.cluster.use_gpu or settings.dtype == "float32" else 2
     hidden = read_model_info(plan.merged_dir).hidden_size
     token_bytes = hidden * wire_bytes * len(settings.loss_layers()) + 4
-    return window_tokens(plan.cluster.stream_buffer_mb, token_bytes, settings.batch_size, settings.max_length,
+    lengths = [data.attention_mask.sum(dim=1).tolist() for data in plan.data.values()]
+    return window_tokens(plan.cluster.stream_buffer_mb, token_bytes, lengths, settings.batch_size,
                          plan.cluster.num_workers)
 
 
@@ -289,8 +291,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 "cpu": cpu,
                 "window": window,
                 # The router's features of the tasks whose rows have a prompt, pooled by the merged forwards.
-                "router": {"layer": settings.headline_layer(),
-                           "tasks": [task for task, data in plan.data.items() if data.has_boundary]}
+                "router": {"layer": settings.headline_layer(), "tasks": list(plan.router_tasks)}
                 if plan.fit == "corrections" else None,
             },
             scaling_config=ray.train.ScalingConfig(
@@ -403,6 +404,7 @@ def job_plan(
         on_step=on_step,
         fit="corrections" if init is None else "coefficients",
         init=tuple(init or ()),
+        router_tasks=tuple(router_tasks(data, sources)),
     )
 
 

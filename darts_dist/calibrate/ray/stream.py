@@ -37,9 +37,11 @@ if TYPE_CHECKING:
     from darts_dist.core import LayerKey, TokenizedSet
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "response_mask")
-# Token rows travel compact, 6 bytes a token instead of 24: the source holds every row in the object store for
-# the whole stream, so they are what grows there with the data. `token_column` and `stored_tokens` widen them.
+# Token rows travel compact, 6 bytes a token instead of TokenizedSet's 17: the source holds every row in the
+# object store for the whole stream, so they are what grows there with the data. `token_column` and
+# `stored_tokens` widen them again.
 WIRE_DTYPES = {"input_ids": np.int32, "attention_mask": np.bool_, "response_mask": np.bool_}
+STORED_DTYPES = {"input_ids": np.int64, "attention_mask": np.int64, "response_mask": np.bool_}  # TokenizedSet's
 Batch = dict[str, np.ndarray]  # a batch of rows as Ray Data hands it over: one array per column
 
 
@@ -69,8 +71,8 @@ def token_column(column: Sequence[np.ndarray]) -> torch.Tensor:
 
 
 def stored_tokens(batch: Batch, i: int) -> dict[str, np.ndarray]:
-    """Row i's token fields as the workers keep them (int64, as TokenizedSet holds them)."""
-    return {name: np.asarray(batch[name][i], dtype=np.int64) for name in TOKEN_FIELDS}
+    """Row i's token fields as the workers keep them (in TokenizedSet's dtypes)."""
+    return {name: np.asarray(batch[name][i], dtype=STORED_DTYPES[name]) for name in TOKEN_FIELDS}
 
 
 def to_wire(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -184,7 +186,7 @@ def expert_stream(
     The actor runs batches of `settings.batch_size` samples, as the in-process reference does; on a CPU
     node it shares the cores by `cluster.cpu_schedule` with the node's other model-running actors (about
     `actors_per_node`; calibrate.ray.cpu_share); with a `window` (calibrate.ray.window), each batch waits for
-    room in its task's window of rows in flight. Ray
+    room in its task's window of tokens in flight. Ray
     Data restarts a lost actor and retries the batches it lost (its defaults: max_restarts=-1,
     max_task_retries=-1; a batch that raises is not retried, it fails the run).
     """

@@ -56,8 +56,12 @@ class StreamWindow:
 SPLITTER_BLOCKS_PER_WORKER = 2
 
 
-def window_tokens(buffer_mb: int, token_bytes: int, batch_size: int, max_length: int, workers: int) -> int:
+def window_tokens(
+    buffer_mb: int, token_bytes: int, lengths: Sequence[Sequence[int]], batch_size: int, workers: int
+) -> int:
     """The tokens of one task's window: `buffer_mb` of hidden states (at `token_bytes` a token), and at least the
-    longest batches the split may hold back plus one, so that the stream always moves."""
-    least = batch_size * max_length * (SPLITTER_BLOCKS_PER_WORKER * workers + 1)
+    batches the split may hold back plus one, so that the stream always moves: their rows can be no longer than
+    that many longest rows of any task (`lengths`: each task's row lengths)."""
+    rows = batch_size * (SPLITTER_BLOCKS_PER_WORKER * workers + 1)
+    least = max(sum(sorted(task, reverse=True)[:rows]) for task in lengths)
     return max(least, (buffer_mb << 20) // max(token_bytes, 1))
