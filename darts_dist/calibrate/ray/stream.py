@@ -216,19 +216,17 @@ def expert_stream(
 
 
 def arrivals(
-    shards: Mapping[str, ray.data.DataIterator], batch_size: int, window: ActorHandle | None = None,
+    shards: Mapping[str, ray.data.DataIterator], batch_size: int,
 ) -> Iterator[tuple[str, Batch]]:
     """A worker's side of the stream: (task, batch) in the order the experts deliver them, every
     expert's shard pulled at once from the moment this is called (so the experts start while the
-    caller does other work); each batch leaves the `window` as it arrives.
+    caller does other work).
 
     A thread per shard: a shard's pipeline starts only when first pulled, so pulling them in turn
     would start the experts one after the other, and the slowest would hold up the rest.
     """
     def received(task: str, shard: ray.data.DataIterator) -> Iterator[Batch]:
         for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy"):
-            if window is not None:
-                window.leave.remote(task, [int(row) for row in batch["row"]])
             yield batch
 
     return fan_in({task: received(task, shard) for task, shard in shards.items()})

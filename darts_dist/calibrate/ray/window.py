@@ -1,15 +1,16 @@
 """The stream's window: how many tokens of a task's rows its expert may have made that no training worker has
-received.
+kept yet.
 
 Ray Data's object-store budget (`cluster.stream_buffer_mb`, the stream's ExecutionOptions) stops counting a
 block once the `streaming_split` coordinator holds it for the workers (ray-project/ray#39595: no back-pressure
 from the consumers to the coordinator), so experts that outpace the workers filled the object store with rows
 waiting for them, more the longer the stream. Here the experts ask before each batch (`enter`) and the workers
-say what reached them (`leave`): an expert waits while its task has `limit` tokens in flight. Tokens, not rows:
-a row's hidden states are its length times a fixed size, so the window holds the same bytes whatever rows the
-data has (counted in rows, a longer set drew more long rows into it and peaked higher). A batch retried after
-its actor died enters again with the same row ids and is not counted twice; a batch larger than the limit still
-enters an empty window, so the stream always moves.
+say what they have kept (`leave`; until then a batch's arrays are views into the object store, also while it
+waits in a worker's prefetch or fan-in queue): an expert waits while its task has `limit` tokens in flight.
+Tokens, not rows: a row's hidden states are its length times a fixed size, so the window holds the same bytes
+whatever rows the data has (counted in rows, a longer set drew more long rows into it and peaked higher). A
+batch retried after its actor died enters again with the same row ids and is not counted twice; a batch larger
+than the limit still enters an empty window, so the stream always moves.
 
 Imports stay light (no torch): the stream's Ray Data actors import this module.
 """

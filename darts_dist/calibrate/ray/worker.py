@@ -25,6 +25,7 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from ray.actor import ActorHandle
 from torch import nn
 
 from darts_dist.calibrate.coefficients import CoefficientModule, read_task_vectors
@@ -205,6 +206,7 @@ def drain(
     expert_nodes: dict[str, set[str]],
     turn: ForwardTurn | None = None,
     router: RouterFeatures | None = None,
+    window: ActorHandle | None = None,
 ) -> int:
     """Keep this worker's rows of every task in `store`; returns the bytes of hidden states received.
     `expert_nodes` gets, per task, the nodes its expert actors ran on.
@@ -214,6 +216,8 @@ def drain(
     (START_COLUMN), so steps run the layers from there on (not under ZeRO-3, whose weight gathering follows the module order).
     Without a merged model (the merge coefficients' fit) rows are kept as they come. The merged forwards take
     `turn` (a CPU node's turns with the expert actors), and pool the router's prompt features into `router`.
+    A batch leaves the stream's `window` once kept: until then it is in the object store (its arrays are views
+    into it), whether Ray Data still holds it or it waits here, prefetched or queued by the fan-in.
     """
     turn = turn or ForwardTurn(enabled=False)
     with_merged = merged_model is not None and features_only(settings.layers)
@@ -247,6 +251,8 @@ def drain(
             for layer in kept_layers:
                 arrays[merged_column(layer) if with_merged else START_COLUMN] = merged[layer][i, :length].cpu().numpy()
             store.add(task, int(row), arrays)
+        if window is not None:
+            window.leave.remote(task, [int(row) for row in batch["row"]])
         rows += len(batch["row"])
         expert_nodes.setdefault(task, set()).update(batch["node"])
         log(f"streamed {rows} rows ({rows / (time.perf_counter() - started):.1f} rows/s)")
@@ -383,8 +389,7 @@ def train_loop_per_worker(config: dict) -> None:
         log(f"this run finished at step {state.step}: nothing left to do", force=True)
         return
     # The experts start streaming now, loading their models while this worker loads the merged one.
-    stream = arrivals({task: ray.train.get_dataset_shard(task) for task in tasks}, settings.batch_size,
-                      config.get("window"))
+    stream = arrivals({task: ray.train.get_dataset_shard(task) for task in tasks}, settings.batch_size)
     engine = build_engine(config, tasks, checkpoint)
     if state.resumed_from is not None:
         log(f"resuming from the checkpoint at step {state.step}", force=True)
@@ -402,7 +407,7 @@ def train_loop_per_worker(config: dict) -> None:
         merged_model = engine.module.merged if isinstance(engine.module, CalibrationModule) else None
         router = RouterFeatures(**config["router"]) if config.get("router") else None
         received = drain(stream, merged_model, device, store, settings, lockstep=config["zero_stage"] == 3, log=log,
-                         expert_nodes=expert_nodes, turn=turn, router=router)
+                         expert_nodes=expert_nodes, turn=turn, router=router, window=config.get("window"))
         row_ids = {task: store.row_ids(task) for task in tasks}
         missing = [task for task, ids in row_ids.items() if not ids]
         if missing:
