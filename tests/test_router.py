@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,15 +13,16 @@ from test_generation import PROMPTS, TASKS, strong_corrections
 
 import darts_dist.calibrate.router as router_module
 from darts_dist.calibrate.features import merged_hidden, prompt_features, row_prompt_features
+from darts_dist.calibrate.in_process import router_tasks
 from darts_dist.calibrate.router import fit_router, fit_run_router, task_prompts
 from darts_dist.cli import main
 from darts_dist.config import EvaluationSection, TrackingSection, load_config, updated
-from darts_dist.core import ROUTED, TaskRouter
+from darts_dist.core import ROUTED, TaskRouter, TokenizedSet
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
-from darts_dist.sources.data import tokenized
+from darts_dist.sources.data import TaskFiles, tokenized
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
-from darts_dist.sources.references import resolve_sources
+from darts_dist.sources.references import ResolvedSources, resolve_sources
 from darts_dist.tracking.registry import fetch_model
 from darts_dist.tracking.runs import connect, tracking_uri
 
@@ -183,6 +185,16 @@ def test_calibrations_merged_states_give_the_routers_features_and_router(tiny_fa
     given_router = TaskRouter.load(Path(given["path"]))
     for name in ("mean", "scale", "weight", "bias"):
         torch.testing.assert_close(getattr(given_router, name), getattr(own_router, name), atol=1e-3, rtol=1e-3)
+
+
+def test_only_tasks_with_prompts_from_their_data_file_give_calibration_features(tmp_path: Path) -> None:
+    """Plain text has no prompt part; a set with captured traffic holds fewer file prompts than the router reads."""
+    chat = TokenizedSet.from_rows("chat", [([1, 2, 3], [False, True, True])], pad_id=0, has_boundary=True)
+    text = TokenizedSet.from_rows("text", [([1, 2, 3], [True] * 3)], pad_id=0, has_boundary=False)
+    files = TaskFiles(calibration=tmp_path / "rows.jsonl", heldout=None)
+    sources = ResolvedSources(base=tmp_path, experts={}, data={
+        "chat": files, "text": files, "served": replace(files, traffic=tmp_path / "traffic.jsonl")})
+    assert router_tasks({"chat": chat, "text": text, "served": chat}, sources) == ["chat"]
 
 
 def test_calibrate_fits_the_router_and_registers_it_with_the_model(tiny_family, tmp_path: Path) -> None:
