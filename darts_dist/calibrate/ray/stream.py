@@ -136,7 +136,7 @@ class ExpertStream:
         self.wire_dtype = str(self.dtype).removeprefix("torch.")
         self.layers = list(layers)
         self.fail_after_batches = fail_after_batches
-        self.window = window  # the job's StreamWindow: a batch waits while its task has a window in flight
+        self.window = window  # the job's StreamWindow: a batch waits until its tokens fit in its task's window
         self.batches = 0
         # Each row says where it was made. Outside Ray (the actor's class used directly) there is no
         # node, and asking the runtime context for one would start a Ray session as a side effect.
@@ -215,9 +215,7 @@ def expert_stream(
     return dataset
 
 
-def arrivals(
-    shards: Mapping[str, ray.data.DataIterator], batch_size: int,
-) -> Iterator[tuple[str, Batch]]:
+def arrivals(shards: Mapping[str, ray.data.DataIterator], batch_size: int) -> Iterator[tuple[str, Batch]]:
     """A worker's side of the stream: (task, batch) in the order the experts deliver them, every
     expert's shard pulled at once from the moment this is called (so the experts start while the
     caller does other work).
@@ -225,11 +223,8 @@ def arrivals(
     A thread per shard: a shard's pipeline starts only when first pulled, so pulling them in turn
     would start the experts one after the other, and the slowest would hold up the rest.
     """
-    def received(task: str, shard: ray.data.DataIterator) -> Iterator[Batch]:
-        for batch in shard.iter_batches(batch_size=batch_size, batch_format="numpy"):
-            yield batch
-
-    return fan_in({task: received(task, shard) for task, shard in shards.items()})
+    return fan_in({task: shard.iter_batches(batch_size=batch_size, batch_format="numpy")
+                   for task, shard in shards.items()})
 
 
 class ExactlyOnceSplit(ray.train.DataConfig):

@@ -25,7 +25,7 @@ import ray
 
 @ray.remote(num_cpus=0)
 class StreamWindow:
-    """Tokens in flight per task (rows made by the expert, not yet received by a worker), at most `limit`."""
+    """Tokens in flight per task (rows made by the expert, not yet kept by a worker), at most `limit`."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
