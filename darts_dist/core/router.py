@@ -54,7 +54,9 @@ class TaskRouter:
             raise DartsError(f"the router threshold must be in [0, 1], got {threshold}")
         self.tasks = tuple(tasks)
         self.layer = layer
-        self.mean, self.scale, self.weight, self.bias = mean.float(), scale.float(), weight.float(), bias.float()
+        # Contiguous, as a loaded file's are: scikit-learn's coefficients come column-major, and a matmul over
+        # another layout sums in another order, so a fitted router would route unlike its saved copy.
+        self.mean, self.scale, self.weight, self.bias = (t.float().contiguous() for t in (mean, scale, weight, bias))
         self.threshold = threshold
 
     @property
