@@ -9,12 +9,17 @@ import pytest
 import yaml
 
 from darts_dist.ablation import SHARED_KNOBS, VARIANTS, plan_ablation, search_space, sweep_settings
+from darts_dist.calibrate.features import prompt_features
 from darts_dist.calibrate.loop import build_corrections
+from darts_dist.calibrate.router import task_prompts
 from darts_dist.cli import main
 from darts_dist.config import parse_config
+from darts_dist.core import TaskRouter
 from darts_dist.errors import DartsError
+from darts_dist.evaluate import evaluator
 from darts_dist.sources.data import calibration_split, load_rows
-from darts_dist.sources.references import demo_data
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
+from darts_dist.sources.references import demo_data, resolve_sources
 from mlflow import MlflowClient
 
 TASKS = ("code", "math")
@@ -101,7 +106,23 @@ def test_validation_rows_are_held_back_from_calibration() -> None:
         calibration_split(rows, 0.0, "validation")
 
 
-def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
+def router_accuracy_by_hand(report: dict) -> tuple[float, dict[str, float]]:
+    """The accuracy of an ablation report's router, overall and per task: its top task on the held-out prompts'
+    features of the headline merge, against their task."""
+    config = parse_config(report["config"])
+    data, merged_dir = resolve_sources(config).data, report["merge_methods"][report["headline_merge_method"]]["merged"]
+    router, model, tokenizer = TaskRouter.load(Path(report["router"]["path"])), load_causal_lm(merged_dir), \
+        load_tokenizer(merged_dir)
+    right = {}
+    for index, task in enumerate(config.tasks):
+        features = prompt_features(model, task_prompts(data[task], "heldout", config, tokenizer), router.layer,
+                                   pad_id(tokenizer), config.calibration.batch_size)
+        right[task] = (router.probabilities(features).argmax(dim=-1) == index).tolist()
+    every = [r for task in right.values() for r in task]
+    return sum(every) / len(every), {task: sum(r) / len(r) for task, r in right.items()}
+
+
+def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> None:
     config = {
         "name": "abl",
         "output_dir": str(tmp_path / "runs"),
@@ -120,6 +141,13 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
     path = tmp_path / "abl.yaml"
     path.write_text(yaml.safe_dump(config))
     report_path = tmp_path / "ablation.json"
+    routed_asked: list[str] = []  # planted: every routed answer passes, so the report's routed scores say whose
+
+    def planted_routed_passes(lm, task, problems, *args, **kwargs):
+        routed_asked.append(task)
+        return [True] * len(problems)
+
+    monkeypatch.setattr(evaluator, "routed_passes", planted_routed_passes)
     assert main(["ablate", str(path), "--merge-methods", "task_arithmetic,ties", "--tune", "2", "--seeds", "2",
                  "--report", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
@@ -133,7 +161,12 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
     assert report["variants"]["deep"]["settings"]["layers"] == [2, 3, "final"]  # the tiny experts' layers
     learned = Path(report["variants"]["coefficients"]["seed_runs"][1]["coefficients"]["learned_merge"])
     assert (learned / "mergekit_config.yml").is_file()
-    assert report["seeds"] == 2 and isinstance(report["claims"], list)
+    assert report["seeds"] == 2
+    # No claim can be made: the tiny experts are worse than their merge on held-out NLL and score 0 as it does, so
+    # neither compared gap (NLL, score) is defined in any run, and a claim needs one on both sides.
+    assert {run["overall"].get(metric) for variant in report["variants"].values() for run in variant["seed_runs"]
+            for metric in ("nll_gap_closed", "score_gap_closed")} == {None}
+    assert report["claims"] == []
     for method in report["merge_methods"].values():
         for name, variant in method["variants"].items():
             assert keys <= set(variant["overall"]) and {"bias_reduction", "weighted_bias_reduction"} <= set(variant["overall_sd"])
@@ -160,10 +193,14 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path) -> None:
     assert report["tuning"]["validation_fraction"] == 0.2
     # The headline merge's router: its held-out accuracy, and DARTS's scores with the task left to it.
     router = report["router"]
-    assert 0.0 <= router["accuracy"] <= 1.0 and Path(router["path"]).is_file()
+    accuracy, per_task = router_accuracy_by_hand(report)
+    assert router["accuracy"] == pytest.approx(accuracy) and router["per_task"] == pytest.approx(per_task)
+    # The routed answers are asked for DARTS on the headline merge only, each seed and task: the planted passes.
+    assert routed_asked == [*TASKS, *TASKS]
     for task in TASKS:
         scores = {name: v["tasks"][task] for name, v in report["variants"].items()}
-        assert 0.0 <= scores["darts"]["score_routed"] <= 1.0
+        assert scores["darts"]["score_routed"] == 1.0
+        assert [run["tasks"][task]["score_routed"] for run in report["variants"]["darts"]["seed_runs"]] == [1.0, 1.0]
         assert all(s.get("score_routed") is None for name, s in scores.items() if name != "darts")
         assert "score_routed" not in report["merge_methods"]["ties"]["variants"]["darts"]["tasks"][task]
     assert Path(report["plots"]["ablation_bias_by_position"]).read_bytes().startswith(b"\x89PNG")
@@ -189,4 +226,6 @@ def test_demo_ablate_reports_every_variant_and_the_router(tmp_path: Path, monkey
                                         "coefficients+darts"]
     assert set(report["variants"]["darts"]["tasks"]) == {"code", "math", "instruct"}
     assert report["variants"]["surgery"]["settings"]["steps"] == 10
-    assert 0.0 <= report["router"]["accuracy"] <= 1.0
+    accuracy, per_task = router_accuracy_by_hand(report)
+    assert report["router"]["accuracy"] == pytest.approx(accuracy)
+    assert report["router"]["per_task"] == pytest.approx(per_task)

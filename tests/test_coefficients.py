@@ -27,12 +27,13 @@ from darts_dist.calibrate.layers import concrete_layers, with_concrete_layers
 from darts_dist.calibrate.loop import build_corrections, train_corrections
 from darts_dist.cli import main
 from darts_dist.config import CalibrationSection, parse_config
-from darts_dist.core import LayerwiseMerge, TokenizedSet, attach_corrections, capture_hidden, run_from
+from darts_dist.core import LayerwiseMerge, TokenizedSet, attach_corrections, capture_hidden, one_hot_tasks, run_from
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
 from darts_dist.merge import run_merge
 from darts_dist.run_folder import read_run_folder
-from darts_dist.sources.models import load_causal_lm
+from darts_dist.sources.data import TaskFiles, tokenized
+from darts_dist.sources.models import load_causal_lm, load_tokenizer
 
 
 def random_set(task: str, rows: int = 24, length: int = 20, seed: int = 0) -> TokenizedSet:
@@ -237,10 +238,38 @@ def test_learned_merge_with_deep_corrections_registers_loads_through_pyfunc(tiny
     learned = run_dir / "learned-merge"
     assert report["coefficients"]["learned_merge"] == str(learned)
     assert (learned / "mergekit_config.yml").is_file() and (learned / "coefficients.json").is_file()
-    assert report["coefficients"]["table"]["2"] != {"code": 0.5, "math": 0.5}  # fitted away from the start
-    # The evaluation judges the learned merge with its corrections against the run's task-arithmetic merge.
+    table = report["coefficients"]["table"]
+    assert table["2"] != {"code": 0.5, "math": 0.5}  # fitted away from the start
+    # The learned merge is the table's: base + Σ coefficient × task vector, in layer 2 and outside the layers.
+    base, merged = weights(tiny_family.base), weights(learned)
+    experts = {t: weights(tiny_family.experts[t]) for t in ("code", "math")}
+    groups = {name: "2" if name.startswith("model.layers.2.") else "other" for name in base
+              if name.startswith("model.layers.2.") or name == "model.norm.weight"}
+    for name, group in groups.items():
+        expected = base[name] + sum(table[group][t] * (experts[t][name] - base[name]) for t in experts)
+        torch.testing.assert_close(merged[name], expected, rtol=1e-5, atol=1e-6,
+                                   msg=lambda message, name=name: f"{name}: {message}")
+    # The evaluation judges the learned merge with its corrections against the run's task-arithmetic merge: their
+    # held-out NLL by hand, each row on its own.
     evaluation = report["variants"]["darts"]["tasks"]["code"]
-    assert evaluation["nll_merged"] != evaluation["nll_corrected"]
+    heldout = tokenized(TaskFiles(data / "code.jsonl", data / "code.jsonl"), "code", "heldout",
+                        CalibrationSection(max_length=16), load_tokenizer(tiny_family.base))
+
+    def heldout_nll(model) -> float:
+        total, count = 0.0, 0
+        for row in range(len(heldout)):
+            ids = heldout.input_ids[row:row + 1, :int(heldout.attention_mask[row].sum())]
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits
+            total += float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum"))
+            count += ids.shape[1] - 1
+        return total / count
+
+    with CorrectedLM.load(run_dir / "merged") as plain:
+        assert evaluation["nll_merged"] == pytest.approx(heldout_nll(plain.model), rel=1e-5)
+    with CorrectedLM.load(learned, run_dir / "corrections.safetensors") as corrected:
+        with corrected.weighted(one_hot_tasks(torch.tensor([corrected.task_index("code")]), len(corrected.tasks))):
+            assert evaluation["nll_corrected"] == pytest.approx(heldout_nll(corrected.model), rel=1e-5)
     assert report["tracking"]["model_uri"] == "models:/learned-tiny/1"
     model = mlflow.pyfunc.load_model("models:/learned-tiny@champion")
     out = model.predict(pd.DataFrame({"prompt": ["def add(a, b):"], "task": ["code"]}),

@@ -67,21 +67,15 @@ def test_greedy_tokens_equal_transformers_generate_under_each_rows_correction(lm
     prompts, tasks = PROMPTS + MORE[:1], ["code", None, "math", "math"]
     expected = reference(lm, prompts, tasks, 10)
     batcher = ContinuousBatcher(lm, max_batch_size=4)
-    order = [tuple(lm.encode(p)) for p in prompts]
-    tokens: list[list[int]] = [[] for _ in prompts]
-    # Listen to the tokens themselves: the engine's draws, before any decoding to text.
-    original = batcher._advance
-
-    def spy(sequences, logits):
-        for sequence, token in zip(sequences, logits.argmax(-1).tolist()):
-            tokens[order.index(sequence.request.ids)].append(token)
-        original(sequences, logits)
-
-    batcher._advance = spy
-    for prompt, task in zip(prompts, tasks):
-        batcher.add(SequenceRequest(tuple(lm.encode(prompt)), task, greedy(10)), Collect())
+    listeners = [Collect() for _ in prompts]
+    for prompt, task, listener in zip(prompts, tasks, listeners):
+        batcher.add(SequenceRequest(tuple(lm.encode(prompt)), task, greedy(10)), listener)
     batcher.run_until_idle()
-    assert tokens == expected
+    # What the engine emits: transformers' tokens as text, all ten of them (no end-of-sequence among them).
+    for listener, tokens in zip(listeners, expected):
+        completion = listener.finished.completion
+        assert completion.text == lm.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert (completion.completion_tokens, completion.finish_reason) == (10, "length")
 
 
 def test_a_sequence_joining_a_running_batch_gets_its_text_alone(lm: CorrectedLM) -> None:

@@ -68,14 +68,29 @@ def test_the_follower_moves_with_the_alias_and_sets_a_failed_version_aside_until
 def test_the_follower_survives_failures_and_ends_when_the_app_is_gone(registry) -> None:
     uri, client = registry
     client.set_registered_model_alias("m", "champion", "2")
-    polls = iter(range(6))
+    checks: list[int] = []  # one per poll: the follower asks whether the app is still there first
+
+    def exists() -> bool:
+        checks.append(len(checks))
+        return len(checks) <= 5  # gone at the sixth poll
+
     deploys = Deploys(always_fail=True)  # the deploy and its fallback both fail, every time
-    watcher = follower(uri, deploys, exists=lambda: next(polls) < 5)
-    thread = threading.Thread(target=watcher.follow)
+    watcher = follower(uri, deploys, exists=exists)
+    crashed: list[BaseException] = []
+
+    def follow() -> None:  # a follower thread that died of the failures would end too: record how it ended
+        try:
+            watcher.follow()
+        except BaseException as error:
+            crashed.append(error)
+
+    thread = threading.Thread(target=follow)
     thread.start()
     thread.join(timeout=60)
-    assert not thread.is_alive()  # it stopped because the app went, not because of the failures
-    assert deploys.versions[:2] == ["2", "1"] and watcher.source.version == "1"
+    assert not thread.is_alive() and not crashed, crashed
+    assert len(checks) == 6  # it polled on after the failures, and stopped because the app went
+    # Version 2 failed (and so did the fallback to 1); set aside while the alias names it, it is not tried again.
+    assert deploys.versions == ["2", "1"] and watcher.source.version == "1"
 
 
 def test_a_capture_folder_that_cannot_be_written_is_refused_before_serving(tmp_path: Path) -> None:

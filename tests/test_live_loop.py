@@ -19,8 +19,10 @@ import pytest
 import yaml
 from mlflow_server import free_port, mlflow_server
 
+from darts_dist.calibrate import in_process
 from darts_dist.cli import main
 from darts_dist.serve.capture import read_traffic
+from darts_dist.sources.models import load_tokenizer
 from mlflow import MlflowClient
 
 MODEL = "live-model"
@@ -168,12 +170,35 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
         assert all(p.model_version == "1" for task in TASKS for p in kept[task])
         assert any(p.routed for task in TASKS for p in kept[task])  # the router's pick is the task recorded
 
+        trained_on = []  # spied: each calibration's tokenised sets, by task
+        real_sets = in_process.calibration_sets
+
+        def calibration_sets(*args, **kwargs):
+            trained_on.append(real_sets(*args, **kwargs))
+            return trained_on[-1]
+
+        monkeypatch.setattr(in_process, "calibration_sets", calibration_sets)
         assert main(["recalibrate", str(barely), "--from-traffic", str(traffic), "--traffic-share", "0.5"]) == 0
         moved = time.monotonic()
         assert registry.get_model_version_by_alias(MODEL, "champion").version == "2"
         recalibration = registry.get_model_version(MODEL, "2")
         logged = registry.get_run(recalibration.run_id)
         assert "took 'champion'" in recalibration.tags["darts.alias_decision"]
+        # Version 2's traffic files (in the folder of the one recalibration so far) hold the captured prompts: those
+        # read back above first, oldest first, then any captured since; and its calibration trained on them: each
+        # task's set ends with the file's 4 most recent prompts (traffic_share 0.5 of num_samples 8), as served.
+        [run_dir] = (tmp_path / "runs").glob("live-traffic-*")
+        folder = run_dir / "traffic"
+        tokenizer = load_tokenizer(tiny_family.base)
+        for task in TASKS:
+            rows = [json.loads(line) for line in (folder / f"{task}.jsonl").read_text().splitlines()]
+            assert [r["prompt"] for r in rows[:len(kept[task])]] == [p.prompt for p in kept[task]]
+            assert {r["prompt"] for r in rows} <= set(PROMPTS["code"]) | set(PROMPTS["math"])
+            calibration = trained_on[0][task]
+            assert len(calibration) == 8
+            for row, captured in zip(range(4, 8), rows[-4:]):
+                length = int(calibration.attention_mask[row].sum())
+                assert calibration.input_ids[row, :length].tolist() == tokenizer(captured["prompt"])["input_ids"][:16]
 
         wait_for(lambda: client.first_answer_from("2", moved) is not None, 2 * POLL_S + 120,
                  "the server did not answer from version 2", log_path)

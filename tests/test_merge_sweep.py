@@ -53,18 +53,24 @@ def test_sweep_scores_every_candidate_on_validation_rows_and_names_the_best(
             score_limit=0)), progress=False)
     config = _config(tiny_family, tmp_path, validation_fraction=0.5)
     asked: dict[tuple[str, str], list[str]] = {}  # (merged model folder, task) -> the questions it was asked
+    # Planted: the second candidate passes every validation problem, so it must be named best (a tie of the real
+    # scores, all 0 on the tiny family, would name the first).
+    planted = "task_arithmetic:weight=1"
 
     def recording(lm, task, problems, scorer, settings, desc="", progress=False):
         asked[(str(lm.model.name_or_path), desc.rsplit(" ", 1)[-1])] = [p.messages[0]["content"] for p in problems]
+        if desc.startswith(f"{planted} answers "):
+            return [True] * len(problems)
         return problem_passes(lm, task, problems, scorer, settings, desc, progress)
 
     monkeypatch.setattr(merge_sweep, "problem_passes", recording)
     candidates = [MergeCandidate.parse("task_arithmetic:weight=0.5"), MergeCandidate.parse("task_arithmetic:weight=1")]
     report = sweep_merges(config, candidates, progress=False)
     assert list(report["candidates"]) == ["task_arithmetic:weight=0.5", "task_arithmetic:weight=1"]
-    means = {name: result["score_mean"] for name, result in report["candidates"].items()}
-    assert report["best"] == max(means, key=means.get)
-    assert report["best_merge"]["parameters"] == report["candidates"][report["best"]]["parameters"]
+    assert report["candidates"][planted]["score_mean"] == 1.0
+    assert report["candidates"]["task_arithmetic:weight=0.5"]["score_mean"] < 1.0  # else the planting decides nothing
+    assert report["best"] == planted
+    assert report["best_merge"] == {"method": "task_arithmetic", "parameters": {"weight": 1.0}}
 
     # What each merge was asked: the validation rows (the calibration file's second half), never held-out ones;
     # and its scores are its own answers to them.
@@ -79,8 +85,9 @@ def test_sweep_scores_every_candidate_on_validation_rows_and_names_the_best(
                 seen = {r["messages"][0]["content"] for r in [*calibration, *heldout]}
                 assert not set(asked[(result["merged"], task)]) & seen
                 problems = SCORERS[fields["score_name"]].problems_of(rows, "validation", "validation", 3)
-                passes = problem_passes(lm, None, problems, SCORERS[fields["score_name"]], EvaluationSection(
-                    score_limit=3, max_new_tokens=4, generation_batch_size=3))
+                passes = [True] * 3 if name == planted else problem_passes(
+                    lm, None, problems, SCORERS[fields["score_name"]], EvaluationSection(
+                        score_limit=3, max_new_tokens=4, generation_batch_size=3))
                 assert fields["score_merged"] == sum(passes) / 3 and fields["score_n"] == 3, (name, task)
         assert result["score_mean"] == pytest.approx(sum(t["score_merged"] for t in result["tasks"].values()) / 2)
 

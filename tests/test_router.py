@@ -142,10 +142,24 @@ def test_the_run_router_separates_synthetic_tasks_on_held_out_prompts(tiny_famil
     report = fit_run_router(config, resolve_sources(config).data, tiny_family.base, "final")
     assert report["train_accuracy"] == 1.0
     assert report["accuracy"] == 1.0 and report["per_task"] == {"code": 1.0, "math": 1.0}
-    assert 0.0 <= report["below_threshold"] <= 1.0
     router = TaskRouter.load(Path(report["path"]))
     assert Path(report["path"]) == config.run_dir / "router.safetensors"
     assert (router.tasks, router.layer, router.threshold) == (TASKS, "final", 0.6)
+    # below_threshold by hand: the router's confidence on each held-out prompt's features, against 0.6...
+    data, tokenizer = resolve_sources(config).data, load_tokenizer(tiny_family.base)
+    model = load_causal_lm(tiny_family.base)
+    features = torch.cat([prompt_features(model, task_prompts(data[task], "heldout", config, tokenizer), "final",
+                                          pad_id(tokenizer), config.calibration.batch_size) for task in TASKS])
+    confidence = router.probabilities(features).max(dim=-1).values.sort().values
+    assert len(confidence) == 12
+    assert report["below_threshold"] == pytest.approx(float((confidence < 0.6).sum()) / 12)
+    # ...and against a threshold planted in the widest gap between the confidences: a known count falls below.
+    below = int((confidence[1:] - confidence[:-1]).argmax()) + 1
+    planted = float(confidence[below - 1] + confidence[below]) / 2
+    assert confidence[below - 1] < planted < confidence[below]
+    again = fit_run_router(updated(config, serve=updated(config.serve, router_threshold=planted)), data,
+                           tiny_family.base, "final")
+    assert again["below_threshold"] == pytest.approx(below / 12)
 
 
 def test_calibrations_merged_states_give_the_routers_features_and_router(tiny_family, tmp_path: Path,

@@ -83,8 +83,11 @@ def test_overall_scores_pool_the_problems_of_every_task() -> None:
                                                        / ((30 + 20) / 40 / 2 - (10 + 19) / 40 / 2))
     assert (fields["score_wins"], fields["score_losses"]) == (15, 1)  # pooled over both tasks
     assert fields["score_pvalue"] == pytest.approx(paired_comparison([True] * 15 + [False], [False] * 15 + [True]).pvalue)
-    low, high = fields["score_merged_ci"]
-    assert low < fields["score_merged"] < high
+    # The merged model's interval against the normal approximation of a mean of two independent rates (each task's
+    # rate varies by p(1-p)/n), within one step of the bootstrap's grid (the mean of two rates over 40 moves by 1/80).
+    mean, spread = (10 / 40 + 19 / 40) / 2, math.sqrt(0.25 * 0.75 / 40 + 0.475 * 0.525 / 40) / 2
+    assert fields["score_merged"] == pytest.approx(mean)
+    assert fields["score_merged_ci"] == pytest.approx([mean - 1.959964 * spread, mean + 1.959964 * spread], abs=1 / 80)
 
 
 def test_the_bootstrap_interval_of_one_task_is_close_to_wilson_and_seeded() -> None:

@@ -3,6 +3,7 @@ computation."""
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import replace
@@ -16,6 +17,7 @@ from darts_dist.config import DataSpec, EvaluationSection, parse_config
 from darts_dist.calibrate.features import prompt_features
 from darts_dist.core import ROUTED, CorrectionSpec, DartsCorrections, TaskRouter, attach_corrections
 from darts_dist.errors import DartsError
+from darts_dist.evaluate import task_scores
 from darts_dist.evaluate.evaluator import Evaluator
 from darts_dist.evaluate.sandbox import run_sandboxed
 from darts_dist.evaluate.statistics import paired_comparison, wilson_interval
@@ -126,9 +128,18 @@ def models(tiny_family):
     return expert, merged, corrections, token
 
 
+def steered(model, token: int):
+    """A copy of `model` that says `token` and nothing else: its final norm's output points at the token's
+    output embedding (the longer ones win the dot product with themselves)."""
+    model = copy.deepcopy(model)
+    row = model.get_output_embeddings().weight[token].detach().clone()
+    model.model.norm.register_forward_hook(lambda module, args, output: output + 100 * row / row.norm())
+    return model
+
+
 def evaluated(
     tiny_family, monkeypatch, scorer: Scorer, task: str, expert, merged, corrections, settings: EvaluationSection,
-    router: TaskRouter | None = None,
+    router: TaskRouter | None = None, base=None,
 ) -> dict[str, object]:
     """One task's results from the evaluator, as the pipeline and the ablation get them, with `scorer` as its
     registered scorer (held-out bias and NLL on the demo's instruct rows, which every task here reads)."""
@@ -143,8 +154,8 @@ def evaluated(
     })
     files = {t: TaskFiles(calibration=Path(heldout), heldout=Path(heldout), scorer=scorer.name) for t in tasks}
     evaluator = Evaluator(config, files, build_tiny_tokenizer(), progress=False)
-    # The "base": another model than every other here (the math expert), scored in a pass of its own.
-    base_passes = evaluator.base_passes(load_causal_lm(tiny_family.experts["math"]))[task]
+    # The "base": another model than every other here (by default the math expert), scored in a pass of its own.
+    base_passes = evaluator.base_passes(base if base is not None else load_causal_lm(tiny_family.experts["math"]))[task]
     side = evaluator.expert_side(tasks.index(task), expert, base_passes=base_passes)
     pairs = [(side, evaluator.merged_side(merged, side.index))]
     return evaluator.evaluate(merged, corrections, pairs, router=router)["tasks"][task]
@@ -154,36 +165,47 @@ def test_generated_scores_equal_a_direct_computation(models, tiny_family, monkey
     """Exact-reply scores of expert, merged and corrected, against answers made from known greedy outputs."""
     expert, merged, corrections, token = models
     tokenizer = build_tiny_tokenizer()
-    problems = answered_problems(demo_data()["instruct"]["heldout"], 6)
+    # The tiny models all answer with blank lines. So that each model's replies are its own, the expert and the
+    # base (the math expert) are steered as the instruct correction is: each to one token of its own.
+    head = merged.get_output_embeddings().weight.detach()
+    wins = (head @ (head / head.norm(dim=1, keepdim=True)).T).argmax(dim=0)  # the token each row's direction picks
+    expert_token, base_token = [t for t in range(len(head)) if wins[t] == t and t != token and tokenizer.decode(
+        [t]).strip() and t not in tokenizer.all_special_ids][:2]
+    expert, base_model = steered(expert, expert_token), steered(load_causal_lm(tiny_family.experts["math"]), base_token)
+    problems = answered_problems(demo_data()["instruct"]["heldout"], 10)
     conversations = [list(p.messages) for p in problems]
-    settings = EvaluationSection(score_limit=6, max_new_tokens=6, generation_batch_size=6)
+    settings = EvaluationSection(score_limit=10, max_new_tokens=6, generation_batch_size=10)
     # The same batch as the scorer's, so padding cannot change a greedy token.
     with CorrectedLM(merged, tokenizer, corrections) as lm:
-        corrected = [c.text for c in lm.chat(conversations, tasks=["instruct"] * 6, max_new_tokens=6)]
+        corrected = [c.text for c in lm.chat(conversations, tasks=["instruct"] * 10, max_new_tokens=6)]
         plain = [c.text for c in lm.chat(conversations, max_new_tokens=6)]
+        coded = [c.text for c in lm.chat(conversations, tasks=["code"] * 10, max_new_tokens=6)]
     with CorrectedLM(expert, tokenizer) as lm:
         own = [c.text for c in lm.chat(conversations, max_new_tokens=6)]
-    with CorrectedLM(load_causal_lm(tiny_family.experts["math"]), tokenizer) as lm:
+    with CorrectedLM(base_model, tokenizer) as lm:
         base = [c.text for c in lm.chat(conversations, max_new_tokens=6)]
-    assert corrected == [tokenizer.decode([token] * 6)] * 6  # the correction applies while generating
-    # Answers: the corrected model's own replies for the first four, something it did not say for the rest.
-    known = [replace(p, answer=text if i < 4 else text + " nope") for i, (p, text) in enumerate(zip(problems, corrected))]
+    assert corrected == [tokenizer.decode([token] * 6)] * 10  # the correction applies while generating
+    # Planted answers: a model's own replies where it is to pass, so that corrected, merged, expert and base each
+    # score something, and each its own share: 4, 1, 2 and 3 of the 10.
+    replies = {"corrected": corrected, "merged": plain, "expert": own, "base": base}
+    said_by = ["corrected"] * 4 + ["merged"] + ["expert"] * 2 + ["base"] * 3
+    known = [replace(p, answer=replies[who][i]) for i, (p, who) in enumerate(zip(problems, said_by))]
     scorer = replace(SCORERS["instruct_exact"], problems=lambda heldout, limit: known)
-    result = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections, settings)
+    result = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections, settings,
+                       base=base_model)
 
-    def share(texts):
-        return sum(t.strip() == p.answer.strip() for t, p in zip(texts, known)) / len(known)
+    def passes(texts):
+        return [t.strip() == p.answer.strip() for t, p in zip(texts, known)]
 
-    assert result["score_name"] == "instruct_exact" and result["score_n"] == 6
-    assert result["score_corrected"] == pytest.approx(4 / 6)
-    assert result["score_merged"] == pytest.approx(share(plain))
-    assert result["score_expert"] == pytest.approx(share(own))
-    assert result["score_base"] == pytest.approx(share(base))
-    merged_passes = [t.strip() == p.answer.strip() for t, p in zip(plain, known)]
-    comparison = paired_comparison([True] * 4 + [False] * 2, merged_passes)
+    shares = {who: sum(passes(texts)) / 10 for who, texts in replies.items()}
+    assert shares == {"corrected": 0.4, "merged": 0.1, "expert": 0.2, "base": 0.3}  # no two models said the same
+    assert result["score_name"] == "instruct_exact" and result["score_n"] == 10
+    assert {who: result[f"score_{who}"] for who in replies} == pytest.approx(shares)
+    comparison = paired_comparison(passes(corrected), passes(plain))
+    assert (comparison.wins, comparison.losses) == (4, 1)
     assert (result["score_wins"], result["score_losses"], result["score_pvalue"]) == (
         comparison.wins, comparison.losses, comparison.pvalue)
-    assert result["score_corrected_ci"] == list(wilson_interval([True] * 4 + [False] * 2))
+    assert result["score_corrected_ci"] == list(wilson_interval(passes(corrected)))
     assert "canonical_nll_expert" not in result  # only scorers with reference solutions
     assert "score_routed" not in result  # no router, no routed score
 
@@ -194,17 +216,18 @@ def test_generated_scores_equal_a_direct_computation(models, tiny_family, monkey
 
     routed = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections, settings,
                        constant_router(1))
-    assert routed["score_routed"] == routed["score_corrected"] == pytest.approx(4 / 6)
+    assert routed["score_routed"] == routed["score_corrected"] == pytest.approx(0.4)
     misrouted = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections, settings,
                           constant_router(0))
-    assert misrouted["score_routed"] == 0.0  # code's correction does not say the instruct answers
+    assert misrouted["score_routed"] == pytest.approx(sum(passes(coded)) / 10)  # code's correction's replies
     unscored = evaluated(tiny_family, monkeypatch, scorer, "instruct", expert, merged, corrections,
                          EvaluationSection(score_limit=0))
     assert "score_name" not in unscored and unscored["bias_after"] > 0  # a limit of 0: bias and NLL, no scores
 
 
-def test_routed_answers_reuse_the_task_s_own_and_ask_the_rest_again(models) -> None:
-    """A router that sends half the problems elsewhere: the routed passes equal generating with the routed id."""
+def test_routed_answers_reuse_the_task_s_own_and_ask_the_rest_again(models, monkeypatch) -> None:
+    """A router that sends half the problems elsewhere: the routed passes equal generating with the routed id,
+    and only the problems routed elsewhere are answered again."""
     _, merged, corrections, _ = models
     tokenizer = build_tiny_tokenizer()
     problems = answered_problems(demo_data()["instruct"]["heldout"], 8)
@@ -222,25 +245,54 @@ def test_routed_answers_reuse_the_task_s_own_and_ask_the_rest_again(models) -> N
     router = TaskRouter(("code", "instruct"), "final", torch.zeros_like(direction), torch.ones_like(direction),
                         torch.stack([50 * direction, -50 * direction]), torch.tensor([-50 * split, 50 * split]))
     scorer = SCORERS["instruct_exact"]
+    generated: list[tuple[str | None, list[str]]] = []  # each generation routed_passes asks for: task, problems
+    real_completions = task_scores.completions
+
+    def spy(lm, task, problems, *args, **kwargs):
+        generated.append((task, [p.id for p in problems]))
+        return real_completions(lm, task, problems, *args, **kwargs)
+
     with CorrectedLM(merged, tokenizer, corrections, router) as lm:
         routes = lm.routes(encoded)
         corrected = problem_passes(lm, "instruct", known, scorer, settings)
+        monkeypatch.setattr(task_scores, "completions", spy)
         routed = routed_passes(lm, "instruct", known, scorer, settings, corrected)
+        monkeypatch.undo()
         direct = problem_passes(lm, ROUTED, known, scorer, settings)
     assert sorted(routes) == ["code"] * 4 + ["instruct"] * 4
     assert corrected == [True] * 8
     assert routed == direct == [route == "instruct" for route in routes]
+    # One generation, of the four problems the router sends to code; instruct's own answers were reused.
+    assert generated == [(ROUTED, [p.id for p, route in zip(known, routes) if route != "instruct"])]
 
 
 def test_humaneval_solution_nll_equals_a_direct_computation(models, tiny_family, monkeypatch) -> None:
     expert, merged, corrections, _ = models
     tokenizer = build_tiny_tokenizer()
-    problems = humaneval_problems(2)
+    # Planted beside two of HumanEval's: a problem that passes unless the completion closes a raw string the tests
+    # close (the tiny models repeat the prompt's last words, not its quotes), so no model's pass@1 is 0.
+    anything = Problem(id="planted/0", prompt='def answer():\n    return 42\n\n\nignored = r"""\nwhatever comes next:',
+                       answer='x"""\n', test='"""\n\n\ndef check(candidate):\n    assert candidate() == 42\n',
+                       entry_point="answer")
+    problems = humaneval_problems(2) + [anything]
     scorer = replace(SCORERS["humaneval"], problems=lambda heldout, limit: problems)
-    settings = EvaluationSection(score_limit=2, max_new_tokens=4)
+    settings = EvaluationSection(score_limit=3, max_new_tokens=4)
+    answered: dict[str, list[str]] = {}  # "expert answers code" etc. -> the completions the scorer checked
+    real_completions = task_scores.completions
+
+    def spy(lm, task, problems, scorer, settings, desc="answers", progress=False):
+        answered[desc] = real_completions(lm, task, problems, scorer, settings, desc, progress)
+        return answered[desc]
+
+    monkeypatch.setattr(task_scores, "completions", spy)
     result = evaluated(tiny_family, monkeypatch, scorer, "code", expert, merged, corrections, settings)
-    assert result["score_name"] == "humaneval" and result["score_metric"] == "pass@1" and result["score_n"] == 2
-    assert {result["score_expert"], result["score_merged"], result["score_corrected"]} <= {0.0, 0.5, 1.0}
+    assert result["score_name"] == "humaneval" and result["score_metric"] == "pass@1" and result["score_n"] == 3
+    for model in ("base", "expert", "merged", "corrected"):  # pass@1: the sandbox by hand on what each wrote
+        texts = answered[f"{model} answers code"]
+        ran = [run_sandboxed(humaneval_program(p, t), timeout=settings.sandbox_timeout).passed
+               for p, t in zip(problems, texts)]
+        assert ran[2], (model, texts[2])  # the planted problem passes
+        assert result[f"score_{model}"] == sum(ran) / 3, (model, texts)
 
     def solution_nll(model, task_ids=None) -> float:
         total, count = 0.0, 0

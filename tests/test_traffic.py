@@ -110,7 +110,13 @@ def test_captured_prompts_take_their_share_of_the_calibration_samples(tmp_path: 
     # Fewer captured prompts than the share asks: all of them; a share of 0: none.
     most = tokenized(TaskFiles(data["code"], None, traffic=traffic), "code", "calibration",
                      CalibrationSection(num_samples=8, max_length=64, traffic_share=1.0), tiny_tokenizer)
-    assert len(most) == 8 and most.input_ids[0, :3].tolist() == expected[0][:3]  # 2 file rows + 6 captured
+    assert len(most) == 8  # 2 file rows + all 6 captured, every token of theirs counting
+    expected = [tiny_tokenizer(f"code row {i} " * 3)["input_ids"] for i in range(2)]
+    expected += [tiny_tokenizer(r["prompt"], add_special_tokens=not r["chat"])["input_ids"] for r in rows]
+    for row, ids in enumerate(expected):
+        length = int(most.attention_mask[row].sum())
+        assert most.input_ids[row, :length].tolist() == ids[:64], row
+    assert most.response_mask[2:].sum() == most.attention_mask[2:].sum()
     none = tokenized(TaskFiles(data["code"], None, traffic=traffic), "code", "calibration",
                      CalibrationSection(num_samples=8, max_length=64, traffic_share=0.0), tiny_tokenizer)
     plain = tokenized(TaskFiles(data["code"], None), "code", "calibration",
