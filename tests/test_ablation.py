@@ -122,6 +122,7 @@ def router_accuracy_by_hand(report: dict) -> tuple[float, dict[str, float]]:
     return sum(every) / len(every), {task: sum(r) / len(r) for task, r in right.items()}
 
 
+@pytest.mark.slow
 def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> None:
     config = {
         "name": "abl",
@@ -213,6 +214,7 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
         report["merge_methods"]["ties"]["variants"]["darts"]["overall"]["bias_reduction"])
 
 
+@pytest.mark.slow
 def test_demo_ablate_reports_every_variant_and_the_router(tmp_path: Path, monkeypatch, capsys) -> None:
     """`demo --ablate`: the ablation on the packaged config, its report the demo's."""
     monkeypatch.chdir(tmp_path)  # the tiny config tracks to ./mlflow.db

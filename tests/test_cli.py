@@ -34,6 +34,7 @@ def test_help_lists_the_subcommands(tmp_path: Path) -> None:
         assert name in result.stdout
 
 
+@pytest.mark.slow
 def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     result = run_cli("demo", "--tiny", "--steps", "30", "--report", str(report_path), cwd=tmp_path)
@@ -142,6 +143,7 @@ def _fails_cleanly(config_path: Path, tmp_path: Path, capsys, *expected: str) ->
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_calibrate_with_a_user_config_writes_corrections(user_config, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     assert main(["calibrate", str(user_config()), "--output-dir", str(out), "--in-process"]) == 0

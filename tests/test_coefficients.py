@@ -208,6 +208,7 @@ def test_claims_need_a_difference_beyond_two_standard_deviations() -> None:
     assert claims({"a": variant(0.9), "c": variant(0.1)}, ["nll_gap_closed"]) == []  # one seed: no spread
 
 
+@pytest.mark.slow
 def test_learned_merge_with_deep_corrections_registers_loads_through_pyfunc(tiny_family, tmp_path: Path,
                                                                            monkeypatch) -> None:
     data = tmp_path / "data"

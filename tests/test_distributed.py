@@ -105,6 +105,7 @@ def disturbed(ray_cluster, tiny_family, tmp_path_factory):
     return config, ray_outcome, reference
 
 
+@pytest.mark.slow
 def test_a_lost_worker_resumes_from_its_last_checkpoint(disturbed) -> None:
     config, ray_outcome, _ = disturbed
     resumed_from = ray_outcome.job["resumed_from"]
@@ -113,6 +114,7 @@ def test_a_lost_worker_resumes_from_its_last_checkpoint(disturbed) -> None:
     assert len(ray_outcome.result.losses) == 30
 
 
+@pytest.mark.slow
 def test_one_worker_zero0_equals_the_in_process_loop_a_lost_worker_included(disturbed) -> None:
     """The resumed run trains exactly what the reference does: checkpoints restore the corrections, the
     optimizer and the step schedule."""
@@ -128,6 +130,7 @@ def test_one_worker_zero0_equals_the_in_process_loop_a_lost_worker_included(dist
         torch.testing.assert_close(ray_outcome.entropy_weights[task], reference.entropy_weights[task])
 
 
+@pytest.mark.slow
 def test_the_workers_pool_the_routers_features_of_every_prompt_as_in_process(disturbed) -> None:
     """Every calibration row's prompt features, pooled by the worker that ran the merged model on it (the lost
     worker's rows again after the resume), in row order: those the in-process stage pools."""
@@ -139,6 +142,7 @@ def test_the_workers_pool_the_routers_features_of_every_prompt_as_in_process(dis
                                    atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(disturbed, tiny_family, caplog) -> None:
     config, first, _ = disturbed
     before = checkpoints(config)
@@ -156,6 +160,7 @@ def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(disturbed,
     assert again.result.losses == first.result.losses
 
 
+@pytest.mark.slow
 def test_two_zero2_workers_stream_a_large_set_within_bounds(ray_cluster, tiny_family, tmp_path) -> None:
     """45 MB of hidden states from three experts, through 1 MB stream buffers and 2 MB feature budgets."""
     copies = 3
@@ -187,6 +192,7 @@ def test_two_zero2_workers_stream_a_large_set_within_bounds(ray_cluster, tiny_fa
     assert ours > 0.1 and abs(ours - theirs) < BIAS_REDUCTION_TOLERANCE, (ours, theirs)
 
 
+@pytest.mark.slow
 def test_two_zero3_workers_train_multi_layer_surgery_and_outlive_their_experts(ray_cluster, tiny_family, tmp_path,
                                                                                 monkeypatch) -> None:
     """ZeRO-3 partitions the frozen merged model too, and gradients flow through its layers; the two
@@ -254,6 +260,7 @@ def test_every_experts_stream_is_pulled_at_once() -> None:
         list(arrivals({"a": FakeShard([{"row": [0]}], fail=True), "b": FakeShard([])}, batch_size=1))
 
 
+@pytest.mark.slow
 def test_the_coefficients_fit_on_a_zero3_worker_equals_the_in_process_fit(ray_cluster, tiny_family, tmp_path) -> None:
     """Merge coefficients on the expert stream: a DeepSpeed ZeRO-3 worker (task vectors partitioned) steps them
     exactly as the in-process fit does, on the same rows."""
@@ -270,6 +277,7 @@ def test_the_coefficients_fit_on_a_zero3_worker_equals_the_in_process_fit(ray_cl
     assert (own.coefficients[2] - 1.0).abs().max() > 0.05  # the fit moved them from the start (1.0 each)
 
 
+@pytest.mark.slow
 def test_deep_corrections_on_a_worker_train_from_their_lowest_layer_as_in_process(ray_cluster, tiny_family,
                                                                                   tmp_path) -> None:
     """Deep DARTS on a ZeRO-0 worker: rows keep the merged states entering layer 2 and steps run from there,

@@ -20,6 +20,8 @@ from darts_dist.pipeline import evaluate_stage
 from darts_dist.sources.output_cache import OutputCache
 from darts_dist.sources.references import resolve_sources
 
+pytestmark = pytest.mark.slow  # evaluation actors on Ray
+
 TASKS = ("code", "math")
 
 

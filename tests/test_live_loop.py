@@ -25,6 +25,8 @@ from darts_dist.serve.capture import read_traffic
 from darts_dist.sources.models import load_tokenizer
 from mlflow import MlflowClient
 
+pytestmark = pytest.mark.slow  # a tracking server, a serving process and three calibrations
+
 MODEL = "live-model"
 TASKS = ("code", "math")
 POLL_S = 1.0

@@ -10,6 +10,8 @@ import pytest
 
 from darts_dist.logs import VERBOSE_ENV, own_lines
 
+pytestmark = pytest.mark.slow  # a Ray session in a child process per case
+
 # A Ray actor that prints a line of Ray's kind and logs a darts-dist progress line, with the driver as darts-dist
 # starts it; the driver waits a moment for Ray to forward both.
 SCRIPT = """

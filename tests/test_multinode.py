@@ -34,6 +34,8 @@ from darts_dist.core import load_corrections
 from darts_dist.options import apply_config_flags
 from darts_dist.sources.references import resolve_sources
 
+pytestmark = pytest.mark.slow  # a second Ray node and job submissions
+
 REPO = Path(__file__).absolute().parent.parent
 # The job and the single-node run train on the same rows with the same Adam steps: equal up to BLAS
 # summation order.

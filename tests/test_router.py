@@ -211,6 +211,7 @@ def test_only_tasks_with_prompts_from_their_data_file_give_calibration_features(
     assert router_tasks({"chat": chat, "text": text, "served": chat}, sources) == ["chat"]
 
 
+@pytest.mark.slow
 def test_calibrate_fits_the_router_and_registers_it_with_the_model(tiny_family, tmp_path: Path) -> None:
     path = write_run(tiny_family, tmp_path)
     config = yaml.safe_load(path.read_text())

@@ -41,6 +41,8 @@ from darts_dist.tracking.runs import connect, environment, experiment_id
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import serve_load  # noqa: E402  (benchmarks/ is no package; its run_load needs no model set-up)
 
+pytestmark = pytest.mark.slow  # a serving process
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "tiny-served"
 KEY = "test-key-123"

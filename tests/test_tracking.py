@@ -85,6 +85,7 @@ def artifact_paths(client: MlflowClient, run_id: str, folder: str | None = None)
     return paths
 
 
+@pytest.mark.slow
 def test_a_calibration_logs_params_metrics_and_artifacts(tracked, tmp_path: Path) -> None:
     client, tracking = tracked.client, tracked.report["tracking"]
     assert tracking["uri"] == tracked.uri
@@ -185,6 +186,7 @@ def requirements_environment(requirements: list[str], folder: Path) -> Path:
     return view
 
 
+@pytest.mark.slow
 def test_the_champion_loads_with_only_its_requirements_and_generates_like_darts_dist(tracked, tmp_path: Path) -> None:
     uri = f"models:/{MODEL}@champion"
     with pytest.MonkeyPatch.context() as patch:
@@ -223,6 +225,7 @@ def _champion(tracked) -> tuple[str, float]:
     return holder.version, tracked.client.get_run(holder.run_id).data.metrics[DECISIVE_METRIC]
 
 
+@pytest.mark.slow
 def test_the_alias_moves_only_to_an_evaluation_at_least_as_good(tracked) -> None:
     client, logged = tracked.client, tracked.report["tracking"]["logged_model_uri"]
     holder, score = _champion(tracked)
@@ -236,6 +239,7 @@ def test_the_alias_moves_only_to_an_evaluation_at_least_as_good(tracked) -> None
     assert tie.promoted and _champion(tracked)[0] == tie.version  # "at least as good"
 
 
+@pytest.mark.slow
 def test_a_failed_registration_leaves_nothing_half_registered(tracked, monkeypatch: pytest.MonkeyPatch) -> None:
     client, logged = tracked.client, tracked.report["tracking"]["logged_model_uri"]
     holder, score = _champion(tracked)
@@ -253,6 +257,7 @@ def test_a_failed_registration_leaves_nothing_half_registered(tracked, monkeypat
     assert VERSION_TAG not in client.get_run(run_id).data.tags
 
 
+@pytest.mark.slow
 def test_register_command_registers_a_tracked_run_once(tracked, capsys, tmp_path: Path) -> None:
     run_dir, client = tracked.run_dir, tracked.client
     calibration = tracked.report["tracking"]["stage_runs"]["calibration"]

@@ -18,6 +18,8 @@ from darts_dist.tracking.registry import VERSION_TAG
 from darts_dist.tracking.runs import STAGE_TAG
 from mlflow import MlflowClient
 
+pytestmark = pytest.mark.slow  # a tracking server and a calibration on Ray
+
 MODEL = "outage-darts"
 
 
