@@ -10,7 +10,6 @@ import logging
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,6 +17,7 @@ from darts_dist.calibrate.coefficients import fit_in_process
 from darts_dist.calibrate.features import prompt_features
 from darts_dist.calibrate.corrections import corrections_metadata
 from darts_dist.calibrate.in_process import calibrate_stage
+from darts_dist.calibrate.ray import job as job_module
 from darts_dist.calibrate.ray.job import (
     FAIL_EXPERT_AFTER,
     FAIL_WORKER_AT_STEP,
@@ -92,16 +92,22 @@ def checkpoints(config) -> list[Path]:
     return sorted((config.run_dir / "ray-train").glob("*/checkpoint_*"))
 
 
+# Deep DARTS with the loss at the last corrected layer only: rows keep the merged states entering layer 2 and
+# steps run from there. The disturbed run trains these, so that one Ray run checks the resume and deep DARTS.
+DEEP = {"layers": [2, 3, "final"], "loss_at": "last", "learning_rate": 0.001}
+
+
 @pytest.fixture(scope="module")
 def disturbed(ray_cluster, tiny_family, tmp_path_factory):
-    """One worker, ZeRO 0, lost in step 15 (after the checkpoint at step 10): the Ray path, and the
-    in-process loop on the same config."""
-    config = make_config(tiny_family, tmp_path_factory.mktemp("ray"))
+    """One worker, ZeRO 0, deep corrections, lost in step 15 (after the checkpoint at step 10): the Ray path,
+    and the in-process loop on the same config."""
+    config = make_config(tiny_family, tmp_path_factory.mktemp("ray"), calibration=DEEP)
     sources = resolve_sources(config)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(FAIL_WORKER_AT_STEP, "15")
         ray_outcome = calibrate_distributed(config, sources, tiny_family.base)
-    reference = calibrate_stage(make_config(tiny_family, tmp_path_factory.mktemp("ref")), sources, tiny_family.base)
+    reference = calibrate_stage(make_config(tiny_family, tmp_path_factory.mktemp("ref"), calibration=DEEP), sources,
+                                tiny_family.base)
     return config, ray_outcome, reference
 
 
@@ -117,8 +123,10 @@ def test_a_lost_worker_resumes_from_its_last_checkpoint(disturbed) -> None:
 @pytest.mark.slow
 def test_one_worker_zero0_equals_the_in_process_loop_a_lost_worker_included(disturbed) -> None:
     """The resumed run trains exactly what the reference does: checkpoints restore the corrections, the
-    optimizer and the step schedule."""
+    optimizer and the step schedule; deep corrections train from their lowest layer as in-process."""
     config, ray_outcome, reference = disturbed
+    assert ray_outcome.result.corrections.layer_keys == (2, 3, "final")
+    assert ray_outcome.job["stream"]["bytes"] > 0
     for (name, ours), theirs in zip(ray_outcome.result.corrections.named_parameters(),
                                    reference.result.corrections.parameters()):
         torch.testing.assert_close(ours, theirs, atol=SAME_CORRECTIONS_ATOL, rtol=0, msg=name)
@@ -131,21 +139,33 @@ def test_one_worker_zero0_equals_the_in_process_loop_a_lost_worker_included(dist
 
 
 @pytest.mark.slow
-def test_the_workers_pool_the_routers_features_of_every_prompt_as_in_process(disturbed) -> None:
+def test_the_workers_pool_the_routers_features_of_every_prompt_as_in_process(disturbed, tiny_family) -> None:
     """Every calibration row's prompt features, pooled by the worker that ran the merged model on it (the lost
-    worker's rows again after the resume), in row order: those the in-process stage pools."""
+    worker's rows again after the resume), in row order: the merged model's own pooled prompts (the tiny base
+    here), which the in-process path computes for the router after a deep calibration (it keeps no merged states,
+    and test_router checks its pooling of kept states against the same function)."""
     config, ray_outcome, reference = disturbed
-    assert sorted(ray_outcome.prompt_features) == sorted(reference.prompt_features) == sorted(TASKS)
+    assert sorted(ray_outcome.prompt_features) == sorted(TASKS) and reference.prompt_features == {}
+    tokenizer = load_tokenizer(tiny_family.base)
+    model = load_causal_lm(tiny_family.base)
     for task in TASKS:
         assert ray_outcome.prompt_features[task].shape[0] == config.calibration.num_samples
-        torch.testing.assert_close(ray_outcome.prompt_features[task], reference.prompt_features[task],
-                                   atol=1e-5, rtol=1e-4)
+        prompts = task_prompts(resolve_sources(config).data[task], "calibration", config, tokenizer)
+        torch.testing.assert_close(ray_outcome.prompt_features[task],
+                                   prompt_features(model, prompts, "final", pad_id(tokenizer)), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.slow
-def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(disturbed, tiny_family, caplog) -> None:
+def test_rerunning_a_finished_run_resumes_it_instead_of_starting_over(disturbed, tiny_family, caplog,
+                                                                     monkeypatch) -> None:
+    """The finished run is read from its last checkpoint: no Ray session, no worker started to find that out."""
     config, first, _ = disturbed
     before = checkpoints(config)
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("a Ray session was opened for a finished run")
+
+    monkeypatch.setattr(job_module, "ray_session", no_ray)
     logger = logging.getLogger("darts_dist")
     logger.addHandler(caplog.handler)  # directly: darts-dist's lines do not propagate to the root logger
     try:
@@ -275,28 +295,3 @@ def test_the_coefficients_fit_on_a_zero3_worker_equals_the_in_process_fit(ray_cl
     assert on_ray.losses == pytest.approx(own.losses, rel=1e-4)
     assert torch.allclose(on_ray.coefficients, own.coefficients, atol=1e-5)
     assert (own.coefficients[2] - 1.0).abs().max() > 0.05  # the fit moved them from the start (1.0 each)
-
-
-@pytest.mark.slow
-def test_deep_corrections_on_a_worker_train_from_their_lowest_layer_as_in_process(ray_cluster, tiny_family,
-                                                                                  tmp_path) -> None:
-    """Deep DARTS on a ZeRO-0 worker: rows keep the merged states entering layer 2 and steps run from there,
-    with the loss at the last corrected layer only; the corrections equal the in-process loop's."""
-    config = make_config(tiny_family, tmp_path, calibration={"layers": [2, 3, "final"], "loss_at": "last",
-                                                             "steps": 12, "learning_rate": 0.001})
-    job = run_job(config, tiny_family)
-    assert job.stream["bytes"] > 0
-    reference = calibrate_stage(config, resolve_sources(config), tiny_family.base)
-    for (name, ours), theirs in zip(job.corrections.named_parameters(),
-                                   reference.result.corrections.parameters()):
-        torch.testing.assert_close(ours, theirs, atol=SAME_CORRECTIONS_ATOL, rtol=0, msg=name)
-    assert job.losses == pytest.approx(reference.result.losses, abs=SAME_CORRECTIONS_ATOL)
-    # The merged forwards that keep the states entering layer 2 also pool the router's features, at its layer.
-    tokenizer = load_tokenizer(tiny_family.base)
-    model = load_causal_lm(tiny_family.base)
-    for task in TASKS:
-        by_row = job.prompt_features[task]
-        assert sorted(by_row) == list(range(config.calibration.num_samples))
-        prompts = task_prompts(resolve_sources(config).data[task], "calibration", config, tokenizer)
-        torch.testing.assert_close(torch.from_numpy(np.stack([by_row[row] for row in sorted(by_row)])),
-                                   prompt_features(model, prompts, "final", pad_id(tokenizer)), atol=1e-5, rtol=1e-4)

@@ -263,6 +263,9 @@ def stream_window_tokens(plan: JobPlan) -> int:
 def run_calibration_job(plan: JobPlan) -> JobResult:
     """Stream every expert's targets into the training workers and train the corrections there."""
     check_plan(plan)
+    done = finished_checkpoint(plan)
+    if done is not None:  # nothing left to train: no Ray session, no workers started to find that out
+        return job_result(plan, done, started=time.time(), finished=time.time(), object_store_peak_bytes=0, nodes={})
     settings, cluster = plan.settings, plan.cluster
     started = time.time()
     fail_expert_after = _env_int(FAIL_EXPERT_AFTER)
@@ -324,8 +327,27 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
             except ray.train.TrainingFailedError as error:
                 raise (_user_error(error) or error) from None
         nodes = node_table()  # while connected: the nodes' addresses and resources, for the record
-    finished = time.time()
-    trained, progress, rows, entropy, prompts = _read_checkpoint(result.checkpoint)
+    return job_result(plan, result.checkpoint, started, time.time(), store_use.peak, nodes)
+
+
+def finished_checkpoint(plan: JobPlan) -> ray.train.Checkpoint | None:
+    """The run's last checkpoint if it trained every step, read from its folder (Ray Train's own `Result.from_path`);
+    None for a new, unfinished or unreadable run, which Ray Train then starts or resumes."""
+    try:
+        checkpoint = ray.train.Result.from_path(f"{plan.storage_path.rstrip('/')}/{plan.run_id}").checkpoint
+    except RuntimeError:  # no such run, or no checkpoint snapshot in it yet
+        return None
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        step = json.loads((Path(folder) / PROGRESS_FILE).read_text())["step"]
+    return checkpoint if step >= plan.settings.steps else None
+
+
+def job_result(plan: JobPlan, checkpoint: ray.train.Checkpoint, started: float, finished: float,
+               object_store_peak_bytes: int, nodes: dict) -> JobResult:
+    """The job's result from its last checkpoint; `nodes`: the cluster's node table, for the placement record."""
+    trained, progress, rows, entropy, prompts = _read_checkpoint(checkpoint)
     coefficients = plan.fit == "coefficients"
     if coefficients != isinstance(trained, torch.Tensor):
         raise DartsError(f"the Ray run {plan.run_id} in {plan.storage_path} holds a checkpoint of another kind "
@@ -351,8 +373,8 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
             "total": finished - started,
         },
         resumed_from=resumed_from,
-        checkpoint_path=result.checkpoint.path,
-        object_store_peak_bytes=store_use.peak,
+        checkpoint_path=checkpoint.path,
+        object_store_peak_bytes=object_store_peak_bytes,
         peak_gpu_memory_bytes=progress.get("peak_gpu_memory_bytes"),
         placement={**progress["placement"], "nodes": nodes},
     )
