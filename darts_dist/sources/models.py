@@ -195,7 +195,8 @@ def non_finite_tensors(path: Path, limit: int = 3) -> list[str]:
 
 
 def _adapter_base(adapter_dir: Path) -> Path:
-    """The local folder an adapter's base_model_name_or_path names (as given, or relative to the adapter)."""
+    """The local folder an adapter's base_model_name_or_path names (as given, relative to the adapter, or the bundled
+    model's reference)."""
     config_file = adapter_dir / "adapter_config.json"
     try:
         base_name = json.loads(config_file.read_text())["base_model_name_or_path"]
@@ -204,6 +205,8 @@ def _adapter_base(adapter_dir: Path) -> Path:
             f"cannot read base_model_name_or_path from {config_file}: {exc}",
             "save the adapter with PEFT's save_pretrained, or repair the file",
         ) from exc
+    if base_name == BUNDLED_MODEL:  # the shipped demo experts name their base so, not by a machine's path
+        return bundled_model_dir()
     for candidate in (Path(base_name).expanduser(), adapter_dir / base_name):
         if candidate.is_dir():
             return candidate.absolute()

@@ -15,7 +15,7 @@ from darts_dist.config import DataSpec, RunConfig
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import cache_root
 from darts_dist.sources.data import TaskFiles, load_rows
-from darts_dist.sources.demo.experts import make_experts
+from darts_dist.sources.demo.experts import shipped_experts
 from darts_dist.sources.demo.tasks import DEMO_SCORERS, DEMO_TASKS, make_demo_data
 from darts_dist.sources.demo.tiny import make_tiny_family
 from darts_dist.sources.models import (
@@ -56,9 +56,8 @@ def _resolve_model(ref: str) -> Path:
     if scheme == "demo":
         if name not in DEMO_TASKS:
             raise DartsError(f"unknown demo expert {ref!r}", f"use one of {['demo:' + t for t in DEMO_TASKS]}")
-        files = demo_data()
-        experts = make_experts(bundled_model_dir(), {t: files[t]["train"] for t in DEMO_TASKS})
-        return experts[name]
+        # The shipped adapter merged into the bundled base once, and cached: the expert this run loaded.
+        return materialize_adapter(shipped_experts()[name], bundled_model_dir())
     if scheme == "bundled":
         raise DartsError(f"unknown bundled model {ref!r}", f"the bundled model is {BUNDLED_MODEL!r}")
     path = Path(ref)

@@ -1,12 +1,12 @@
-"""The demo experts: top-layer fine-tunes of a base model, one per task, cached on disk.
+"""The demo experts: low-rank deltas of a base model's top layers, one per task, shipped with the package.
 
-A full fine-tune step of SmolLM2-135M takes ~25 s on two CPU cores, so an expert trains
-only its top `top_layers` decoder layers and the final norm; the embeddings (tied to the
-lm_head) and the bottom layers stay frozen. The bottom's outputs therefore never change
-during training: they are computed once per batch (`frozen_bottom_features`) and every
-step runs only the top layers, the norm and the lm_head (`run_top`), the latter on the
-tokens that carry loss only. Where the CPU multiplies bf16 natively, both run under bf16
-autocast (`ExpertTraining.precision`).
+Each is made once, by `darts-dist demo --make-experts` (fp32, seeded): the linear layers of the base's top
+`top_layers` decoder layers are fine-tuned at full rank, and each layer's change is truncated to its best
+rank-`rank` approximation (SVD) and written as a PEFT LoRA adapter (fp16, a few MB, checksums in
+`experts/manifest.json`). Every machine then loads the same experts, and the demo's numbers differ between
+CPUs by float rounding only. The frozen bottom's outputs never change, so they are computed once per batch
+(`frozen_bottom_features`) and every step runs only the top layers, the norm and the lm_head (`run_top`),
+the latter on the tokens that carry loss only.
 """
 
 from __future__ import annotations
@@ -19,35 +19,39 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.masking_utils import create_causal_mask
 
 from darts_dist.core import mask_positions
 from darts_dist.errors import DartsError
-from darts_dist.fsutil import atomic_dir, cache_root
+from darts_dist.fsutil import atomic_dir
 from darts_dist.sources.data import load_rows, tokenize_rows
-from darts_dist.sources.models import content_hash, load_causal_lm, load_tokenizer
+from darts_dist.sources.models import BUNDLED_MODEL, content_hash, load_causal_lm, load_tokenizer
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 IGNORE_INDEX = -100
-# Bump when the training code changes what an expert is, so cached experts are rebuilt.
-_RECIPE_VERSION = 1
-_MARKER = "darts_expert.json"
-_TOKENIZER_SUFFIXES = (".json", ".jinja", ".txt", ".model")
+SHIPPED_DIR = Path(__file__).parent / "experts"  # package data: one adapter folder per task, and the manifest
+MANIFEST = "manifest.json"
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class ExpertTraining:
-    """How a demo expert is fine-tuned from the base."""
+    """How a demo expert is made from the base: every linear layer of its top decoder layers fine-tuned, each change
+    kept at rank `rank`."""
 
-    # 8 top layers for 200 steps at 1e-3: the demo experts should be specialists as real fine-tunes are, far
-    # from the base. At 3e-4 for 150 steps (math 40%, instruct 30% on 200 held-out problems) the task vectors
-    # were so small that task arithmetic at weight 1 kept every expert's score within 1-5 points.
-    top_layers: int = 8  # decoder layers trained (plus the final norm); embeddings / lm_head (tied) stay frozen
+    top_layers: int = 8  # decoder layers tuned; the bottom, embeddings, norms and lm_head (tied) stay frozen
+    # The truncation's rank: 2.6 MB of fp16 per expert at 16. Full-rank changes truncated so interfere more in a merge
+    # than LoRA adapters trained at the same rank do (docs/notes/measurements.md, "The shipped demo experts").
+    rank: int = 16
     steps: int = 200
     batch_size: int = 8
     # 192: the demo rows with SmolLM2's system prompt stay well within it, answers included.
@@ -55,19 +59,20 @@ class ExpertTraining:
     learning_rate: float = 1e-3
     num_samples: int = 512  # training rows per task, the first ones of its training file
     seed: int = 0
-    # "bf16" runs the matmuls under bf16 autocast (weights and optimizer stay fp32): 2-4x faster
-    # where the CPU multiplies bf16 natively (AMX, AVX512-BF16), slower elsewhere; "auto" picks
-    # it only there. The bottom's features are then computed under autocast too.
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    # "bf16" runs the matmuls under bf16 autocast (weights and optimizer stay fp32), an opt-in: 2-4x faster where the
+    # CPU multiplies bf16 natively (AMX, AVX512-BF16), slower elsewhere, and its experts differ with the CPU.
+    precision: Literal["bf16", "fp32"] = "fp32"
 
     def __post_init__(self) -> None:
-        counts = (self.top_layers, self.steps, self.batch_size, self.num_samples)
+        counts = (self.top_layers, self.rank, self.steps, self.batch_size, self.num_samples)
         if min(counts) < 1 or self.max_length < 2 or not self.learning_rate > 0:
             raise DartsError(
                 f"expert training settings out of range: {self}",
-                "top_layers, steps, batch_size and num_samples must be >= 1, max_length >= 2, learning_rate > 0",
+                "top_layers, rank, steps, batch_size and num_samples must be >= 1, max_length >= 2, "
+                "learning_rate > 0",
             )
-        resolved_precision(self.precision)
+        if self.precision not in ("bf16", "fp32"):
+            raise DartsError(f"precision={self.precision!r} is not one of 'bf16', 'fp32'", "use one of those")
 
 
 @dataclass(frozen=True)
@@ -175,16 +180,12 @@ def summed_target_nll(model: PreTrainedModel, final_hidden: torch.Tensor, target
 
 
 def train_top(
-    model: PreTrainedModel, features: list[TopInputs], settings: ExpertTraining, desc: str = "expert"
+    model: PreTrainedModel, features: list[TopInputs], params: list[torch.nn.Parameter], settings: ExpertTraining,
+    desc: str = "expert",
 ) -> list[float]:
-    """Fine-tune the top layers and final norm on cached features with AdamW; returns each step's loss."""
-    start_layer = features[0].start_layer
-    params = [p for layer in model.model.layers[start_layer:] for p in layer.parameters()]
-    params += list(model.model.norm.parameters())
-    for param in params:
-        param.requires_grad_(True)
+    """Train `params` (of the top layers) on cached features with AdamW; returns each step's loss."""
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
-    bf16 = resolved_precision(settings.precision) == "bf16"
+    bf16 = settings.precision == "bf16"
     generator = torch.Generator().manual_seed(settings.seed)
     order: list[int] = []
     losses = []
@@ -205,20 +206,7 @@ def train_top(
         optimizer.step()
         losses.append(loss.item())
         progress.set_postfix(loss=f"{losses[-1]:.3f}")
-    for param in params:
-        param.requires_grad_(False)
     return losses
-
-
-def resolved_precision(precision: str) -> Literal["bf16", "fp32"]:
-    """The precision "auto" stands for on this machine; "bf16" and "fp32" stand for themselves."""
-    if precision in ("bf16", "fp32"):
-        return precision
-    if precision != "auto":
-        raise DartsError(f"precision={precision!r} is not one of 'auto', 'bf16', 'fp32'", "use one of those")
-    # Private torch helpers, hence the getattr: without them, assume no native bf16.
-    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return "bf16" if any(getattr(torch.cpu, check, lambda: False)() for check in checks) else "fp32"
 
 
 def _file_hash(path: Path) -> str:
@@ -238,97 +226,119 @@ def _check_files(files: Mapping[str, Path], role: str) -> dict[str, Path]:
     return {task: Path(path).absolute() for task, path in files.items()}
 
 
-def _tokenizer_hash(folder: Path) -> str:
-    """sha256 over a folder's tokenizer-kind files; content_hash covers only config and weights."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(folder).iterdir()):
-        if path.is_file() and path.suffix in _TOKENIZER_SUFFIXES:
-            digest.update(path.name.encode() + b"\0" + _file_hash(path).encode())
-    return digest.hexdigest()
+def train_expert(
+    base_dir: Path, train_file: Path, task: str, settings: ExpertTraining, tokenizer: PreTrainedTokenizerBase
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One task's expert: the top layers' linear weights fine-tuned from the base; their changes, and the losses."""
+    tokenized = tokenize_rows(load_rows(train_file), tokenizer, task, settings.max_length,
+                              max_samples=settings.num_samples)
+    model = load_causal_lm(base_dir)
+    batches = tqdm(tokenized.batches(settings.batch_size), desc=f"{task}: frozen bottom", unit="batch",
+                   total=math.ceil(len(tokenized) / settings.batch_size))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bf16"):
+        features = frozen_bottom_features(model, batches, settings.top_layers)
+    if not any(bool((inputs.targets != IGNORE_INDEX).any()) for inputs in features):
+        raise DartsError(
+            f"task {task!r}: no training row of {train_file} has a token to learn within "
+            f"max_length={settings.max_length} (chat rows learn only the assistant's tokens)",
+            "raise max_length, or give rows whose responses start earlier",
+        )
+    tuned = _tuned_weights(model, features[0].start_layer)
+    base = {name: weight.detach().clone() for name, weight in tuned.items()}
+    model.requires_grad_(False)
+    for weight in tuned.values():
+        weight.requires_grad_(True)
+    losses = train_top(model, features, list(tuned.values()), settings, desc=f"{task}: top layers")
+    return {name: weight.detach() - base[name] for name, weight in tuned.items()}, losses
 
 
-def _experts_key(base_dir: Path, train_files: Mapping[str, Path], settings: ExpertTraining, tokenizer_dir: Path) -> str:
-    """What an expert set depends on: the base, the tokenizer, each task's data, the settings, the recipe."""
-    ingredients = {
-        "recipe": _RECIPE_VERSION,
-        "base": content_hash(base_dir),
-        "tokenizer": _tokenizer_hash(tokenizer_dir),
-        "data": {task: _file_hash(path) for task, path in sorted(train_files.items())},
-        "settings": dataclasses.asdict(settings),
-    }
-    return hashlib.sha256(json.dumps(ingredients, sort_keys=True).encode()).hexdigest()
+def _tuned_weights(model: PreTrainedModel, start_layer: int) -> dict[str, torch.nn.Parameter]:
+    """The weights of the LORA_MODULES linear layers in decoder layers start_layer.., by parameter name."""
+    return {name: param for name, param in model.named_parameters()
+            if name.endswith(".weight") and name.split(".")[-2] in LORA_MODULES
+            and int(name.split(".")[2]) >= start_layer}
 
 
-def _is_built(folder: Path, key: str) -> bool:
-    marker = folder / _MARKER
-    return marker.is_file() and json.loads(marker.read_text()).get("key") == key
+def low_rank_adapter(
+    base_dir: Path, deltas: Mapping[str, torch.Tensor], settings: ExpertTraining
+) -> tuple["PeftModel", float]:
+    """A PEFT LoRA adapter whose B·A is each delta's best rank-`settings.rank` approximation (truncated SVD, float64),
+    and the share of the deltas' squared Frobenius norm it keeps."""
+    from peft import LoraConfig, get_peft_model  # heavy to import, and only making the experts needs it
+
+    model = load_causal_lm(base_dir)
+    start_layer = model.config.num_hidden_layers - settings.top_layers
+    # lora_alpha = r: PEFT scales B·A by alpha / r, so 1 here and B·A is the delta itself.
+    adapters = LoraConfig(r=settings.rank, lora_alpha=settings.rank, lora_dropout=0.0, target_modules=list(LORA_MODULES),
+                          layers_to_transform=list(range(start_layer, model.config.num_hidden_layers)))
+    peft_model = get_peft_model(model, adapters)
+    modules = dict(peft_model.base_model.model.named_modules())
+    kept = total = 0.0
+    for name, delta in deltas.items():
+        u, s, vh = torch.linalg.svd(delta.double(), full_matrices=False)
+        keep = min(settings.rank, len(s))  # a layer narrower than the rank keeps all of it; the rest stays zero
+        root = s[:keep].sqrt()
+        module = modules[name.removesuffix(".weight")]
+        lora_a, lora_b = module.lora_A["default"].weight.data, module.lora_B["default"].weight.data
+        lora_a.zero_(), lora_b.zero_()
+        lora_a[:keep] = root[:, None] * vh[:keep]
+        lora_b[:, :keep] = u[:, :keep] * root
+        kept, total = kept + float((s[: settings.rank] ** 2).sum()), total + float((s**2).sum())
+    return peft_model, kept / total if total else 1.0
 
 
 def make_experts(
-    base_dir: Path,
-    train_files: Mapping[str, Path],
-    out_root: Path | None = None,
-    settings: ExpertTraining = ExpertTraining(),
-    tokenizer_dir: Path | None = None,
+    base_dir: Path, train_files: Mapping[str, Path], out_dir: Path, settings: ExpertTraining = ExpertTraining(),
+    base_name: str = BUNDLED_MODEL,
 ) -> dict[str, Path]:
-    """Fine-tune (or reuse) one expert per task of `train_files`; returns {task: expert folder}.
-
-    The folders live under `out_root` (default: cache_root()/experts/<key>), where the key
-    hashes the base's content, the tokenizer, each training file's bytes and the settings.
-    A folder is reused only when its marker holds the same key, so changed data or
-    settings rebuild it. Chat rows train on the assistant's tokens only, text rows on all.
-    """
+    """Train one expert per task of `train_files` and write them to `out_dir` as the package ships them: a PEFT
+    adapter folder per task (weights in fp16) and `manifest.json` with each adapter's checksum and how it was made.
+    `base_name`: how the adapters name their base, a reference every machine resolves (not this one's path).
+    Written to a temporary folder first: an interrupted run leaves `out_dir` as it was."""
     base_dir = Path(base_dir).absolute()
-    tokenizer_dir = Path(tokenizer_dir).absolute() if tokenizer_dir is not None else base_dir
     train_files = _check_files(train_files, "training")
-    # Resolved before hashing: "auto" trains differently on different CPUs.
-    settings = dataclasses.replace(settings, precision=resolved_precision(settings.precision))
-    key = _experts_key(base_dir, train_files, settings, tokenizer_dir)
-    out_root = Path(out_root).absolute() if out_root is not None else cache_root() / "experts" / key[:16]
-    experts = {task: out_root / task for task in train_files}
-    todo = [task for task, folder in experts.items() if not _is_built(folder, key)]
-    if not todo:
-        return experts
+    tokenizer = load_tokenizer(base_dir)
+    manifest: dict[str, object] = {"base": content_hash(base_dir), "settings": dataclasses.asdict(settings),
+                                   "experts": {}}
+    with atomic_dir(Path(out_dir), overwrite=True) as tmp:
+        for task, train_file in train_files.items():
+            started = time.perf_counter()
+            deltas, losses = train_expert(base_dir, train_file, task, settings, tokenizer)
+            peft_model, kept = low_rank_adapter(base_dir, deltas, settings)
+            peft_model.half()  # fp16 on disk: half the bytes; loading upcasts to the base's fp32
+            peft_model.save_pretrained(tmp / task)
+            (tmp / task / "README.md").unlink(missing_ok=True)  # PEFT's model card template: nothing of ours in it
+            adapter_config = json.loads((tmp / task / "adapter_config.json").read_text())
+            # Sorted: PEFT writes target_modules in a set's order, which changes from one process to the next.
+            adapter_config |= {"base_model_name_or_path": base_name,
+                               "target_modules": sorted(adapter_config["target_modules"])}
+            (tmp / task / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+            manifest["experts"][task] = {
+                "train_file": _file_hash(train_file),
+                "first_loss": losses[0],
+                "last_loss": losses[-1],
+                "kept": kept,  # the share of the fine-tune's squared change the rank-`rank` adapter keeps
+                "seconds": round(time.perf_counter() - started, 1),
+                "files": {name: _file_hash(tmp / task / name) for name in ADAPTER_FILES},
+            }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return {task: Path(out_dir) / task for task in train_files}
 
-    tokenizer = load_tokenizer(tokenizer_dir)
-    for task in todo:
-        started = time.perf_counter()
-        tokenized = tokenize_rows(
-            load_rows(train_files[task]), tokenizer, task, settings.max_length, max_samples=settings.num_samples
-        )
-        model = load_causal_lm(base_dir)
-        batches = tqdm(
-            tokenized.batches(settings.batch_size),
-            desc=f"{task}: frozen bottom",
-            unit="batch",
-            total=math.ceil(len(tokenized) / settings.batch_size),
-        )
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bf16"):
-            features = frozen_bottom_features(model, batches, settings.top_layers)
-        if not any(bool((inputs.targets != IGNORE_INDEX).any()) for inputs in features):
-            raise DartsError(
-                f"task {task!r}: no training row of {train_files[task]} has a token to learn within "
-                f"max_length={settings.max_length} (chat rows learn only the assistant's tokens)",
-                "raise max_length, or give rows whose responses start earlier",
-            )
-        prepare_s = time.perf_counter() - started
-        losses = train_top(model, features, settings, desc=f"{task}: top layers")
-        marker = {
-            "key": key,
-            "task": task,
-            "base": str(base_dir),
-            "train_file": str(train_files[task]),
-            "settings": dataclasses.asdict(settings),
-            "first_loss": losses[0],
-            "last_loss": losses[-1],
-            "prepare_seconds": round(prepare_s, 1),
-            "train_seconds": round(time.perf_counter() - started - prepare_s, 1),
-        }
-        with atomic_dir(experts[task], overwrite=True) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
-    return experts
+
+def shipped_experts(folder: Path = SHIPPED_DIR) -> dict[str, Path]:
+    """The shipped expert adapters by task, each checked against the manifest's checksums."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise DartsError(f"no demo experts in {folder} (no {MANIFEST})",
+                         "reinstall darts-dist, or make them: darts-dist demo --make-experts")
+    experts = json.loads(manifest_path.read_text())["experts"]
+    for task, record in experts.items():
+        for name, expected in record["files"].items():
+            path = folder / task / name
+            if not path.is_file() or _file_hash(path) != expected:
+                raise DartsError(f"the demo expert {task!r} in {folder} does not match its checksum ({name})",
+                                 "reinstall darts-dist, or make the experts again: darts-dist demo --make-experts")
+    return {task: folder / task for task in experts}
 
 
 @torch.no_grad()
