@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -199,23 +198,13 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def _make_demo_experts(out: Path | None) -> None:
-    from darts_dist.sources.demo.experts import MANIFEST, SHIPPED_DIR, expert_report, make_experts
-    from darts_dist.sources.demo.tasks import DEMO_TASKS
-    from darts_dist.sources.models import bundled_model_dir, materialize_adapter
-    from darts_dist.sources.references import demo_data
+    from darts_dist.sources.references import make_demo_experts
 
-    out, base, files = out or SHIPPED_DIR, bundled_model_dir(), demo_data()
-    experts = make_experts(base, {task: files[task]["train"] for task in DEMO_TASKS}, out)
-    # An expert that learnt its task has a lower held-out NLL there than the base (first 64 problems).
-    nll = expert_report(base, {task: materialize_adapter(folder, base) for task, folder in experts.items()},
-                        {task: files[task]["heldout"] for task in experts}, max_samples=64)
-    manifest = json.loads((out / MANIFEST).read_text())
-    for task, folder in experts.items():
-        record = manifest["experts"][task]
-        console.print(f"{task}: {folder} (training loss {record['first_loss']:.3f} -> {record['last_loss']:.3f}; "
-                      f"the adapter keeps {record['kept']:.1%} of the change; held-out NLL base {nll[task]['base']:.3f}, "
-                      f"expert {nll[task]['expert']:.3f}; adapter sha256 "
-                      f"{record['files']['adapter_model.safetensors'][:16]})")
+    for task, made in make_demo_experts(out).items():
+        console.print(f"{task}: {made['folder']} (training loss {made['first_loss']:.3f} -> {made['last_loss']:.3f}; "
+                      f"the adapter keeps {made['kept']:.1%} of the change; held-out NLL base {made['nll']['base']:.3f}, "
+                      f"expert {made['nll']['expert']:.3f}; adapter sha256 "
+                      f"{made['files']['adapter_model.safetensors'][:16]})")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -239,10 +228,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
         evaluation = run_evaluation(state, corrections)
         print_tables(evaluation_tables(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation))
         if not args.tiny:  # the shipped experts' documented scores: does this machine reproduce them?
-            from darts_dist.sources.demo.reference import reproduction, reproduction_line
+            from darts_dist.sources.references import demo_reproduction
 
-            state.report["reproduction"] = reproduction(evaluation)
-            console.print(reproduction_line(state.report["reproduction"]))
+            state.report["reproduction"], line = demo_reproduction(evaluation)
+            console.print(line)
         console.print(f"plots: {config.run_dir / 'plots'}")
         with state.timed("registration"):
             register_calibration(state)
@@ -387,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ablate", action="store_true",
                       help="run the ablation (as `darts-dist ablate`) on the demo config instead of one calibration")
     demo.add_argument("--make-experts", action="store_true",
-                      help="train the demo experts (fp32, seeded; about 12 minutes) and write them as the package "
+                      help="make the demo experts (fp32, seeded; about 15 minutes) and write them as the package "
                       "ships them, instead of running the demo")
     demo.add_argument("--experts-out", type=Path, default=None, metavar="DIR",
                       help="where --make-experts writes (default: the package's darts_dist/sources/demo/experts)")

@@ -221,9 +221,9 @@ def test_merge_accepts_a_mergekit_yaml(tiny_family, tmp_path: Path, capsys) -> N
 def test_make_experts_that_fails_writes_nothing(tiny_family, tmp_path: Path, capsys, monkeypatch) -> None:
     """`demo --make-experts` trains on the bundled base's top 8 layers: on a 4-layer base it says so, exits 2, and
     leaves the output folder as it was (the making itself is test_experts')."""
-    from darts_dist.sources import models
+    from darts_dist.sources import references
 
-    monkeypatch.setattr(models, "bundled_model_dir", lambda: tiny_family.base)
+    monkeypatch.setattr(references, "bundled_model_dir", lambda: tiny_family.base)
     out = tmp_path / "experts"
     assert main(["demo", "--make-experts", "--experts-out", str(out)]) == 2
     assert "top_layers=8 is outside 1..4" in capsys.readouterr().err

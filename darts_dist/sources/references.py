@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -15,7 +17,8 @@ from darts_dist.config import DataSpec, RunConfig
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import cache_root
 from darts_dist.sources.data import TaskFiles, load_rows
-from darts_dist.sources.demo.experts import shipped_experts
+from darts_dist.sources.demo.experts import MANIFEST, SHIPPED_DIR, expert_report, make_experts, shipped_experts
+from darts_dist.sources.demo.reference import reproduction, reproduction_line
 from darts_dist.sources.demo.tasks import DEMO_SCORERS, DEMO_TASKS, make_demo_data
 from darts_dist.sources.demo.tiny import make_tiny_family
 from darts_dist.sources.models import (
@@ -41,6 +44,24 @@ class ResolvedSources:
 @lru_cache(maxsize=None)
 def demo_data() -> dict[str, dict[str, Path]]:
     return make_demo_data(cache_root() / "demo-data")
+
+
+def make_demo_experts(out: Path | None = None) -> dict[str, dict[str, object]]:
+    """`darts-dist demo --make-experts`: the demo experts made into `out` (by default the package's own folder, as
+    it ships them). Per task: its folder, its manifest record, and the held-out NLL of the base and of the expert
+    (first 64 problems): an expert that learnt its task has the lower one."""
+    out, base, files = out or SHIPPED_DIR, bundled_model_dir(), demo_data()
+    experts = make_experts(base, {task: files[task]["train"] for task in DEMO_TASKS}, out)
+    nll = expert_report(base, {task: materialize_adapter(folder, base) for task, folder in experts.items()},
+                        {task: files[task]["heldout"] for task in experts}, max_samples=64)
+    records = json.loads((out / MANIFEST).read_text())["experts"]
+    return {task: {"folder": folder, **records[task], "nll": nll[task]} for task, folder in experts.items()}
+
+
+def demo_reproduction(evaluation: Mapping[str, object]) -> tuple[dict[str, object], str]:
+    """A demo run's scores against the documented ones of the shipped experts, and the line that says so."""
+    check = reproduction(evaluation)
+    return check, reproduction_line(check)
 
 
 def _resolve_model(ref: str) -> Path:
