@@ -1,5 +1,5 @@
 """The alias follower against a real (sqlite) registry, with the deploy recorded: what it deploys, when, and what it
-does when a deploy fails or the app goes away (issue 17). The whole loop with a real server: test_live_loop.py."""
+does when a deploy fails or the app goes away. The whole loop with a real server: test_live_loop.py."""
 
 from __future__ import annotations
 

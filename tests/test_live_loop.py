@@ -1,4 +1,4 @@
-"""The live loop for real (issue 17): a tracking server, `darts-dist serve` following the alias with capture on, a
+"""The live loop for real: a tracking server, `darts-dist serve` following the alias with capture on, a
 client that never stops sending, and recalibrations from the captured traffic that move (or keep) the alias."""
 
 from __future__ import annotations

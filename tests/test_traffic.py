@@ -1,4 +1,4 @@
-"""Traffic capture's bounded store, and captured prompts becoming calibration samples (issue 17)."""
+"""Traffic capture's bounded store, and captured prompts becoming calibration samples."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Ray Serve app: the corrected merged model behind an OpenAI-compatible HTTP API (issue 6).
+"""The Ray Serve app: the corrected merged model behind an OpenAI-compatible HTTP API.
 
 One deployment, `DartsServer`, with a FastAPI ingress. Each replica loads the model once
 (merged weights + corrections + router, from the registry or local files) and generates through

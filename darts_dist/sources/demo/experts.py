@@ -49,8 +49,8 @@ class ExpertTraining:
     kept at rank `rank`."""
 
     top_layers: int = 8  # decoder layers tuned; the bottom, embeddings, norms and lm_head (tied) stay frozen
-    # The truncation's rank: 2.6 MB of fp16 per expert at 16. Full-rank changes truncated so interfere more in a merge
-    # than LoRA adapters trained at the same rank do (docs/notes/measurements.md, "The shipped demo experts").
+    # The truncation's rank: 2.6 MB of fp16 per expert at 16. Full-rank changes truncated to it interfere more in a
+    # merge than LoRA adapters trained at that rank (docs/notes/measurements.md, "The shipped demo experts").
     rank: int = 16
     steps: int = 200
     batch_size: int = 8
