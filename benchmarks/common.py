@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
+import platform
 import sys
 import threading
 import time
@@ -41,8 +43,18 @@ def emit(name: str, value: float, baseline: float, unit: str, **details: object)
     and timings taken next to other work are not comparable."""
     line = {"name": name, "value": round(value, 4), "baseline": round(baseline, 4),
             "ratio": round(value / baseline, 4) if baseline else None, "unit": unit, **details,
-            "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+            "cpus": os.cpu_count(), "cpu": cpu_name(), "load_average": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(line), flush=True)
+
+
+@functools.cache
+def cpu_name() -> str:
+    """The CPU's model name: times differ between CPUs (bf16 instructions or none, vector widths)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def note(message: str) -> None:

@@ -17,6 +17,14 @@ to version 2 while the load runs. Results: valid requests that failed (5xx or lo
 the alias move to the first request answered by version 2 (sent after the move, by a probe one at a time beside
 the load), against two poll intervals plus the rolling update the follower logged (deploy to new replica running).
 
+`--flood` measures what one heavy client does to everyone else, in one run: (a) 32 equal clients send the mixed load
+above; (b) one client holds FLOOD_REQUESTS concurrent requests of the largest prompt list the server accepts
+(serve.max_prompts_per_request) × `--flood-tokens` tokens with ignore_eos, resending each as it ends (after the
+Retry-After of a 429 or 503), while 8 ordinary clients send the same mixed load one request at a time each, for
+`--duration` seconds. Results: the ordinary clients' p50 and p99 latency in (b) against (a)'s (a request with no
+reply within `--duration` counts at that time: a bound), their lost and 5xx replies, the flood's refusals, and the
+time to refuse a list of 2,000 prompts against the time to refuse a one-prompt request for an unknown model.
+
 `run_load` is the core, with no model set-up: tests/test_serve.py runs it on the tiny model with small numbers.
 """
 
@@ -45,6 +53,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 INVALID_EVERY = 8  # one request in eight is invalid
+FLOOD_REQUESTS = 32  # --flood: the heavy client's concurrent requests
+ORDINARY_CLIENTS = 8  # --flood: the clients sending one request at a time beside it
+EQUAL_CLIENTS = 32  # --flood: the equal clients of the comparison load
 SWITCH_DEADLINE_S = 900  # --switch: the longest the load runs waiting for version 2
 HUGE = 1 << 40  # a declared body size no server limit allows
 
@@ -255,6 +266,126 @@ def result_lines(load: LoadResult, alone: LoadResult) -> list[dict]:
     ]
 
 
+def run_for(base: str, ids: list[str], prompts: list[str], duration_s: float, concurrency: int,
+            api_key: str | None = None, max_tokens: int = 16) -> LoadResult:
+    """`concurrency` clients each sending the mixed load over model `ids` one request at a time until `duration_s`
+    has passed; a request still unanswered then is lost, and counts at `duration_s` in the latencies (a bound)."""
+    specs = request_specs(ids, prompts, 100_000, max_tokens, seed=2)
+    started = time.perf_counter()
+    lock, taken, replies = threading.Lock(), iter(specs), []
+
+    def client() -> None:
+        while time.perf_counter() - started < duration_s:
+            with lock:
+                spec = next(taken)
+            outcome, seconds, _ = send(base, spec, api_key, duration_s)
+            with lock:
+                replies.append((spec, outcome, seconds))
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    result = LoadResult(len(replies), concurrency, time.perf_counter() - started)
+    for spec, outcome, seconds in replies:
+        result.outcomes["valid" if spec.valid else "invalid"][outcome] += 1
+        if spec.valid:
+            result.latencies.append(seconds if outcome == "ok" else max(seconds, duration_s))
+    result.healthy_after = healthy(base)
+    return result
+
+
+class Flood:
+    """One client holding FLOOD_REQUESTS requests in flight, each `prompts` prompts × `max_tokens` tokens; a refused
+    request (429, 503) is sent again after the Retry-After the server gave. Outcomes after `stop` are not counted:
+    the benchmark cuts those requests itself."""
+
+    def __init__(self, base: str, model: str, prompts: int, max_tokens: int) -> None:
+        self.url = urlsplit(base)
+        self.body = json.dumps({"model": model, "prompt": [f"Write a story, part {i}." for i in range(prompts)],
+                                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}).encode()
+        self.stop = threading.Event()
+        self.outcomes: Counter = Counter()
+        self.in_flight = 0  # requests sent and not answered yet: at the end, the flood's accepted ones
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, daemon=True) for _ in range(FLOOD_REQUESTS)]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def _client(self) -> None:
+        while not self.stop.is_set():
+            connection = http.client.HTTPConnection(self.url.hostname, self.url.port, timeout=3600)
+            with self.lock:
+                self.in_flight += 1
+            try:
+                connection.request("POST", "/v1/completions", body=self.body,
+                                   headers={"Content-Type": "application/json"})
+                response = connection.getresponse()
+                response.read()
+                status, wait = response.status, float(response.getheader("Retry-After") or 0)
+            except (OSError, http.client.HTTPException):
+                status, wait = 0, 0.0
+            finally:
+                connection.close()
+                with self.lock:
+                    self.in_flight -= 1
+            if self.stop.is_set():
+                return
+            self.outcomes[status] += 1
+            self.stop.wait(wait)
+
+
+def refusal_seconds(base: str, body: dict, tries: int = 20, budget_s: float = 60.0) -> float:
+    """The median time to an answer to `body` (meant to be refused), over `tries` or as many as `budget_s` allows
+    (a server that does not refuse it runs it)."""
+    spec = Spec("/v1/completions", json.dumps(body).encode(), valid=False)
+    started, times = time.perf_counter(), []
+    while len(times) < tries and time.perf_counter() - started < budget_s:
+        times.append(send(base, spec, None, budget_s)[1])
+    return statistics.median(times)
+
+
+def flood_lines(base: str, prompts: list[str], args) -> list[dict]:
+    """(a) equal clients, then (b) the flood beside ordinary clients, then the refusal times (see the docstring)."""
+    ids = model_ids(base, None)
+    print(f"(a) {args.requests} requests from {EQUAL_CLIENTS} equal clients", file=sys.stderr, flush=True)
+    equal = run_load(base, prompts, args.requests, EQUAL_CLIENTS, max_tokens=args.max_tokens)
+    flood = Flood(base, ids[0], args.flood_prompts, args.flood_tokens)
+    print(f"(b) a flood of {FLOOD_REQUESTS} × {args.flood_prompts} prompts × {args.flood_tokens} tokens, "
+          f"{ORDINARY_CLIENTS} ordinary clients for {args.duration:g} s", file=sys.stderr, flush=True)
+    flood.start()
+    time.sleep(5)  # the flood is in
+    ordinary = run_for(base, ids, prompts, args.duration, ORDINARY_CLIENTS, max_tokens=args.max_tokens)
+    flood.stop.set()
+    with flood.lock:
+        in_flight = flood.in_flight
+    refused_list = refusal_seconds(base, {"model": ids[0], "prompt": ["hi"] * 2000, "max_tokens": 1})
+    refused_one = refusal_seconds(base, {"model": "no-such-model", "prompt": "hi", "max_tokens": 1})
+    flood_outcomes = {str(status or "lost"): count for status, count in sorted(flood.outcomes.items())}
+    details = {"equal_clients": EQUAL_CLIENTS, "ordinary_clients": ORDINARY_CLIENTS, "duration_s": args.duration,
+               "flood_requests": FLOOD_REQUESTS, "flood_prompts": args.flood_prompts,
+               "flood_tokens": args.flood_tokens, "flood_outcomes": flood_outcomes, "flood_in_flight_at_end": in_flight,
+               "ordinary_outcomes": {kind: dict(c) for kind, c in ordinary.outcomes.items()},
+               "equal_outcomes": {kind: dict(c) for kind, c in equal.outcomes.items()}}
+    return [
+        {"name": "serve_flood_ordinary_latency_p50", "value": percentile(ordinary.latencies, 50),
+         "baseline": percentile(equal.latencies, 50), "unit": "s", **details},
+        {"name": "serve_flood_ordinary_latency_p99", "value": percentile(ordinary.latencies, 99),
+         "baseline": percentile(equal.latencies, 99), "unit": "s", **details},
+        {"name": "serve_flood_ordinary_lost", "value": ordinary.lost, "baseline": 0, "unit": "requests", **details},
+        {"name": "serve_flood_5xx", "value": ordinary.valid_5xx + equal.valid_5xx + sum(
+            count for status, count in flood.outcomes.items() if status >= 500 and status != 503), "baseline": 0,
+         "unit": "requests", **details},
+        {"name": "serve_flood_refused", "value": flood.outcomes[429] + flood.outcomes[503],
+         "baseline": sum(flood.outcomes.values()) + in_flight, "unit": "requests", **details},
+        {"name": "serve_refuse_2000_prompts", "value": refused_list, "baseline": refused_one, "unit": "s"},
+        {"name": "serve_flood_healthy_after", "value": float(healthy(base)), "baseline": 1.0, "unit": "bool"},
+    ]
+
+
 def main() -> None:
     # The model set-up needs the package and the other benchmarks; run_load above needs neither.
     from common import demo_setup, emit, note, parser
@@ -271,6 +402,10 @@ def main() -> None:
     p.add_argument("--switch", action="store_true", help="run the load across a version switch (see above)")
     p.add_argument("--poll", type=float, default=2.0, help="with --switch: serve.alias_poll_s")
     p.add_argument("--switch-after", type=float, default=20.0, help="with --switch: seconds of load before the move")
+    p.add_argument("--flood", action="store_true", help="equal clients, then a flood beside ordinary ones (see above)")
+    p.add_argument("--duration", type=float, default=90.0, help="with --flood: seconds of the ordinary clients' load")
+    p.add_argument("--flood-prompts", type=int, default=16, help="with --flood: prompts per flood request")
+    p.add_argument("--flood-tokens", type=int, default=512, help="with --flood: tokens per flood prompt")
     args = p.parse_args()
     cores = os.cpu_count() or 1
     args.replica_cpus = args.replica_cpus or (max(1, cores // 2) if args.switch else cores)
@@ -302,10 +437,13 @@ def main() -> None:
             note("starting darts-dist serve")
             command = [str(merged_dir), "--corrections", str(corrections), "--router", str(router), "--name", "demo"]
             with serving(command, yaml_path, folder) as base:
-                alone = run_load(base, prompts, args.alone, 1, max_tokens=args.max_tokens, seed=1)
-                note(f"{args.requests} requests at concurrency {args.concurrency}")
-                load = run_load(base, prompts, args.requests, args.concurrency, max_tokens=args.max_tokens)
-            lines = result_lines(load, alone)
+                if args.flood:
+                    lines = flood_lines(base, prompts, args)
+                else:
+                    alone = run_load(base, prompts, args.alone, 1, max_tokens=args.max_tokens, seed=1)
+                    note(f"{args.requests} requests at concurrency {args.concurrency}")
+                    load = run_load(base, prompts, args.requests, args.concurrency, max_tokens=args.max_tokens)
+                    lines = result_lines(load, alone)
     for line in lines:
         emit(line.pop("name"), line.pop("value"), line.pop("baseline"), line.pop("unit"), model=model,
              max_tokens=args.max_tokens, replica_cpus=args.replica_cpus, **line)

@@ -290,19 +290,23 @@ def cmd_register(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from darts_dist.serve.app import API_KEY_ENV, run_foreground
+    from darts_dist.serve.access import resolve_api_key
+    from darts_dist.serve.app import run_foreground
     from darts_dist.serve.model import resolve_model, serve_settings
 
+    api_key = resolve_api_key(args.api_key, args.api_key_file)
     source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
                                    router=args.router, name=args.name)
     settings = serve_settings(config, args.config, host=args.host, port=args.port)
-    run_foreground(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None, say=console.print)
+    run_foreground(source, settings, api_key, say=console.print)
 
 
 def cmd_serve_deploy(args: argparse.Namespace) -> None:
-    from darts_dist.serve.app import API_KEY_ENV, follows, start
+    from darts_dist.serve.access import resolve_api_key
+    from darts_dist.serve.app import follows, start
     from darts_dist.serve.model import resolve_model, serve_settings
 
+    api_key = resolve_api_key(args.api_key, args.api_key_file)
     address = args.address or os.environ.get("RAY_ADDRESS")
     if not address:
         raise DartsError("serve-deploy deploys onto a running Ray cluster, and none was named",
@@ -312,7 +316,7 @@ def cmd_serve_deploy(args: argparse.Namespace) -> None:
                                    router=args.router, name=args.name)
     settings = serve_settings(config, args.config, host=args.host, port=args.port)
     init_ray(address=address)
-    url = start(source, settings, args.api_key or os.environ.get(API_KEY_ENV) or None, detached=True)
+    url = start(source, settings, api_key, detached=True)
     console.print(f"deployed {source.name} at {url}; it keeps serving on the cluster after this command "
                   "(`serve shutdown` removes it, and its alias follower with it)")
     if follows(source, settings):
@@ -417,7 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="models:/NAME@ALIAS, models:/NAME/VERSION, a run folder, or a merged model folder")
         p.add_argument("--host", default=None, help="address to bind (default: serve.host, 127.0.0.1)")
         p.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
-        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $DARTS_DIST_API_KEY)")
+        p.add_argument("--api-key-file", type=Path, default=None,
+                       help="require 'Authorization: Bearer KEY', KEY the file's first line (else $DARTS_DIST_API_KEY)")
+        p.add_argument("--api-key", default=None,
+                       help="the key itself: every user of the machine sees it in `ps` (prefer --api-key-file)")
         p.add_argument("--config", type=Path, default=None,
                        help="a darts-dist YAML whose serve section to use (default: the model's own run config)")
         p.add_argument("--tracking-uri", default=None, help="the registry for models:/ URIs (default: "

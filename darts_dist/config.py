@@ -289,7 +289,15 @@ class ServeSection(_Section):
     # replaces num_replicas.
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: PositiveInt = 32
+    # Requests beyond max_ongoing_requests wait in Serve's queue, up to this many per deployment; past it Serve
+    # answers 503 with Retry-After (-1: no bound).
+    max_queued_requests: int = Field(default=64, ge=-1)
     max_tokens_limit: PositiveInt = 512
+    # One request's list of prompts (/v1/completions); a longer list gets 400 before any of it is tokenised.
+    max_prompts_per_request: PositiveInt = 16
+    # Sequences waiting to join a replica's running batch. A request is queued only while the room left after it
+    # is at least its own size (so large requests are refused first), else 429 with Retry-After.
+    max_waiting_sequences: PositiveInt = 128
     # Continuous batching: at every decoding step finished sequences leave and waiting ones join, up to
     # max_batch_size sequences, while the KV cache they can grow to, rows × the longest prompt + max_tokens
     # among them, stays within max_batch_tokens (about 46 kB a token for SmolLM2-135M in fp32: 16384 hold 0.75 GB).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 
 # Set before anything imports huggingface_hub, transformers or Ray, which read them once.

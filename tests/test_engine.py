@@ -15,6 +15,7 @@ from darts_dist.generation import (
     Completion,
     ContinuousBatcher,
     CorrectedLM,
+    EngineBusy,
     EngineThread,
     Finished,
     Sampling,
@@ -174,6 +175,60 @@ def test_the_token_budget_bounds_the_cache_rows_times_its_widest_row(lm: Correct
         batcher.add(SequenceRequest(tuple(prompts[0]), None, greedy(2 * widest)), Collect())
 
 
+def test_a_request_arriving_behind_a_large_one_joins_at_once_and_every_answer_stays_exact(lm: CorrectedLM) -> None:
+    """Fairness: a request of many prompts holds the whole batch; a one-prompt request arriving later preempts one
+    of them at the next step instead of waiting for them to finish. The preempted sequence is recomputed when it
+    rejoins, and every greedy answer still equals the sequence generated alone."""
+    batcher = ContinuousBatcher(lm, max_batch_size=4)
+    bulk = [Collect() for _ in range(6)]
+    prompts = (MORE + PROMPTS)[:6]
+    batcher.add_group([SequenceRequest(tuple(lm.encode(p)), "code", greedy(24)) for p in prompts], bulk)
+    for _ in range(5):
+        batcher.step()
+    assert counts(batcher)[:2] == (2, 4)  # the large request holds every slot
+    late = Collect()
+    batcher.add(SequenceRequest(tuple(lm.encode(MORE[1])), "math", greedy(5)), late)
+    batcher.step()
+    assert batcher.stats().preempted == 1
+    assert any(s.request.ids == tuple(lm.encode(MORE[1])) for s in batcher.running)  # it joined at once
+    for _ in range(4):
+        batcher.step()
+    assert late.finished is not None and all(c.finished is None for c in bulk)  # done long before the others
+    batcher.run_until_idle()
+    assert late.finished.completion == lm.generate([MORE[1]], ["math"], max_new_tokens=5)[0]
+    assert [c.finished.completion for c in bulk] == lm.generate(prompts, ["code"] * 6, max_new_tokens=24)
+
+
+def test_groups_take_turns(lm: CorrectedLM) -> None:
+    batcher = ContinuousBatcher(lm, max_batch_size=2)
+    first, second = [Collect() for _ in range(3)], [Collect() for _ in range(3)]
+    batcher.add_group([SequenceRequest(tuple(lm.encode(p)), None, greedy(3)) for p in MORE[:3]], first)
+    batcher.add_group([SequenceRequest(tuple(lm.encode(p)), None, greedy(3)) for p in MORE[1:]], second)
+    batcher.step()
+    assert {s.group for s in batcher.running} == set(batcher.waiting)  # one of each group runs, the rest wait
+    assert batcher.stats().preempted == 0  # each group holds one: neither gives it up
+    batcher.run_until_idle()
+    assert all(c.finished is not None for c in first + second)
+
+
+def test_a_full_waiting_room_refuses_the_whole_request_larger_ones_first(lm: CorrectedLM) -> None:
+    batcher = ContinuousBatcher(lm, max_batch_size=1, max_waiting=8)
+    request = SequenceRequest(tuple(lm.encode(MORE[0])), None, greedy(2))
+    batcher.add_group([request] * 3, [Collect() for _ in range(3)])  # 3 waiting: room for 5 more
+    with pytest.raises(EngineBusy, match="max_waiting_sequences"):
+        batcher.add_group([request] * 3, [Collect() for _ in range(3)])  # 6 would leave less room than it takes
+    assert batcher.stats().waiting == 3  # none of the refused request's sequences was queued
+    batcher.add_group([request] * 2, [Collect() for _ in range(2)])  # 5 waiting: room for 3
+    with pytest.raises(EngineBusy):
+        batcher.add_group([request] * 2, [Collect() for _ in range(2)])  # would leave 1, less than its 2
+    batcher.add(request, Collect())  # leaves 2, at least its 1
+    batcher.add(request, Collect())  # leaves 1
+    with pytest.raises(EngineBusy):
+        batcher.add(request, Collect())  # would leave none
+    batcher.run_until_idle()
+    assert batcher.stats().waiting == 0
+
+
 def test_bad_settings_are_refused(lm: CorrectedLM) -> None:
     with pytest.raises(DartsError, match="max_batch_size"):
         ContinuousBatcher(lm, max_batch_size=0)
@@ -186,7 +241,7 @@ def test_the_engine_thread_serves_submissions_from_other_threads(lm: CorrectedLM
     try:
         listeners = [Collect() for _ in MORE]
         for prompt, listener in zip(MORE, listeners):
-            engine.submit(SequenceRequest(tuple(lm.encode(prompt)), "math", greedy(6)), listener)
+            engine.submit([SequenceRequest(tuple(lm.encode(prompt)), "math", greedy(6))], [listener])
         deadline = time.monotonic() + 120
         while any(listener.finished is None for listener in listeners):
             assert time.monotonic() < deadline

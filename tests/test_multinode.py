@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
 from argparse import Namespace
@@ -27,6 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from serving import free_port
 
 from darts_dist.calibrate.in_process import calibrate_stage
 from darts_dist.config import load_config
@@ -40,12 +40,6 @@ REPO = Path(__file__).absolute().parent.parent
 # The job and the single-node run train on the same rows with the same Adam steps: equal up to BLAS
 # summation order.
 SAME_CORRECTIONS_ATOL = 1e-6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

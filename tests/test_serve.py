@@ -4,12 +4,10 @@ and the official `openai` client against it."""
 from __future__ import annotations
 
 import json
-import os
 import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -40,6 +38,7 @@ from darts_dist.tracking.runs import connect, environment, experiment_id
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import serve_load  # noqa: E402  (benchmarks/ is no package; its run_load needs no model set-up)
+from serving import free_port, serve_process, stops_cleanly  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a serving process
 
@@ -51,12 +50,6 @@ MAX_BYTES = 64 * 1024  # serve.max_request_bytes
 BODY_TIMEOUT = 8.0  # serve.body_timeout_s
 CODE = [f"def {name}(values, k={i}):" for i, name in enumerate(["scale", "shift", "clip", "norm", "pad", "mix"])]
 MATH = [f"Question: Ann has {i + 3} coins and finds {i} more. How many coins?\nAnswer:" for i in range(6)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def register_tiny_model(tiny_family, folder: Path) -> SimpleNamespace:
@@ -95,42 +88,19 @@ def register_tiny_model(tiny_family, folder: Path) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def server(tiny_family, tmp_path_factory: pytest.TempPathFactory):
-    """`darts-dist serve models:/MODEL@champion` in its own process, until the last test stops it."""
+    """`darts-dist serve models:/MODEL@champion` in its own process, until the last test stops it. The key comes as
+    --api-key, which works with a warning (it shows in `ps`)."""
     folder = tmp_path_factory.mktemp("serve")
     registry = register_tiny_model(tiny_family, folder)
     port = free_port()
-    log_path = folder / "serve.log"
-    log = log_path.open("w")
     # Metrics exported every second instead of every ten, so the metrics test reads them soon.
-    env = {**os.environ, "MLFLOW_TRACKING_URI": registry.uri, "RAY_AUTH_MODE": "disabled",
-           "RAY_metrics_report_interval_ms": "1000"}
-    env.pop("RAY_ADDRESS", None)
-    # A session of its own: the test's Ctrl-C is not the server's, and a leftover group can be killed whole.
-    process = subprocess.Popen(
-        [sys.executable, "-m", "darts_dist.cli", "serve", f"models:/{MODEL}@champion", "--port", str(port),
-         "--api-key", KEY], cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert process.poll() is None, log_path.read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"{base}/healthz", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up in 240 s:\n" + log_path.read_text()[-4000:]
-            time.sleep(0.5)
+    env = {"MLFLOW_TRACKING_URI": registry.uri, "RAY_metrics_report_interval_ms": "1000"}
+    with serve_process([f"models:/{MODEL}@champion", "--api-key", KEY], folder, port, env) as process:
         lm = CorrectedLM.load(registry.merged_dir, registry.corrections, router_path=registry.router)
+        base = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
-        yield SimpleNamespace(base=base, port=port, process=process, log=log_path, client=client, lm=lm,
+        yield SimpleNamespace(base=base, port=port, process=process, log=folder / "serve.log", client=client, lm=lm,
                               registry=registry, folder=folder)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
 
 
 def post(server, path: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dict]:
@@ -305,9 +275,8 @@ def test_the_api_key_is_enforced(server) -> None:
         wrong.models.list()
     status, reply = post(server, "/v1/completions", {"model": f"{MODEL}:code", "prompt": "hi"}, key=None)
     assert status == 401 and reply["error"]["code"] == "invalid_api_key"
-    # Health checks need no key.
-    assert {key: value for key, value in health(server).items() if key in ("status", "model")} == {
-        "status": "ok", "model": MODEL}
+    # Health checks need no key (their details do: test_the_key_flag_works_with_a_warning...).
+    assert health(server, key=None)["status"] == "ok"
 
 
 def test_the_serve_deploy_yaml_is_valid_and_its_builder_builds_the_app(server) -> None:
@@ -447,8 +416,10 @@ def test_slow_clients_do_not_hold_up_other_requests(server) -> None:
     assert health(server)["status"] == "ok"
 
 
-def health(server) -> dict:
-    with urllib.request.urlopen(f"{server.base}/healthz", timeout=10) as response:
+def health(server, key: str | None = KEY) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{server.base}/healthz", headers=headers),
+                                timeout=10) as response:
         return json.loads(response.read())
 
 
@@ -511,10 +482,17 @@ def test_with_capture_off_no_prompt_is_written(server) -> None:
     assert not list(server.folder.rglob("capture-*.jsonl"))
 
 
+def test_the_key_flag_works_with_a_warning_and_health_details_need_the_key(server) -> None:
+    assert "--api-key shows the key to every user of this machine" in server.log.read_text()
+    assert health(server, key=None) == {"status": "ok"}  # ready, and nothing a stranger could learn from
+    assert {"model", "waiting", "prompt_tokens", "cached_prompt_tokens"} <= set(health(server))
+
+
 def test_ctrl_c_stops_the_server_cleanly(server) -> None:
-    """Last: it ends the module's server."""
-    server.process.send_signal(signal.SIGINT)
-    assert server.process.wait(timeout=90) == 0, server.log.read_text()[-3000:]
+    """Last: it ends the module's server. Idle, it stops within 10 s, and every process it started (Ray's
+    daemons and workers among them) is gone."""
+    took, left = stops_cleanly(server.process, signal.SIGINT, within_s=10)
+    assert not left, left
     assert "server stopped" in server.log.read_text()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{server.base}/healthz", timeout=5)

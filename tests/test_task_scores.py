@@ -19,7 +19,7 @@ from darts_dist.core import ROUTED, CorrectionSpec, DartsCorrections, TaskRouter
 from darts_dist.errors import DartsError
 from darts_dist.evaluate import task_scores
 from darts_dist.evaluate.evaluator import Evaluator
-from darts_dist.evaluate.sandbox import run_sandboxed
+from darts_dist.evaluate.sandbox import run_sandboxed, sandbox_kind
 from darts_dist.evaluate.statistics import paired_comparison, wilson_interval
 from darts_dist.evaluate.task_scores import (
     SCORERS,
@@ -199,7 +199,7 @@ def test_generated_scores_equal_a_direct_computation(models, tiny_family, monkey
 
     shares = {who: sum(passes(texts)) / 10 for who, texts in replies.items()}
     assert shares == {"corrected": 0.4, "merged": 0.1, "expert": 0.2, "base": 0.3}  # no two models said the same
-    assert result["score_name"] == "instruct_exact" and result["score_n"] == 10
+    assert result["score_name"] == "instruct_exact" and result["score_n"] == 10 and "sandbox" not in result
     assert {who: result[f"score_{who}"] for who in replies} == pytest.approx(shares)
     comparison = paired_comparison(passes(corrected), passes(plain))
     assert (comparison.wins, comparison.losses) == (4, 1)
@@ -287,6 +287,7 @@ def test_humaneval_solution_nll_equals_a_direct_computation(models, tiny_family,
     monkeypatch.setattr(task_scores, "completions", spy)
     result = evaluated(tiny_family, monkeypatch, scorer, "code", expert, merged, corrections, settings)
     assert result["score_name"] == "humaneval" and result["score_metric"] == "pass@1" and result["score_n"] == 3
+    assert result["sandbox"] == sandbox_kind()  # which sandbox ran the code
     for model in ("base", "expert", "merged", "corrected"):  # pass@1: the sandbox by hand on what each wrote
         texts = answered[f"{model} answers code"]
         ran = [run_sandboxed(humaneval_program(p, t), timeout=settings.sandbox_timeout).passed

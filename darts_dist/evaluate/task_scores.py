@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from darts_dist.config import EvaluationSection
 from darts_dist.core import ROUTED, TokenizedSet
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.sandbox import run_sandboxed
+from darts_dist.evaluate.sandbox import run_sandboxed, sandbox_kind
 from darts_dist.evaluate.statistics import gap_closed, mean_score_interval, paired_comparison, wilson_interval
 from darts_dist.generation import CorrectedLM
 from darts_dist.sources.data import load_rows
@@ -145,6 +145,7 @@ class Scorer:
     # are a fixed set.
     reads_rows: bool = True
     needs_tests: bool = False  # each row must carry the `tests` its code answer is run against
+    runs_code: bool = False  # its check runs the answer in the sandbox (the report names which: `sandbox_kind`)
 
     def problems_of(self, rows: datasets.Dataset, source: str, label: str, limit: int | None) -> list[Problem]:
         """This scorer's problems from rows of any split (`problems_of_rows`), checked as its held-out ones are."""
@@ -184,12 +185,13 @@ SCORERS: dict[str, Scorer] = {
     "instruct_exact": Scorer("instruct_exact", "exact reply", answered_problems, _instruct_passed, max_new_tokens=48),
     # Held-out rows with a `tests` program (assert statements) that the reply's code must pass.
     "code_tests": Scorer("code_tests", "pass@1", lambda heldout, limit: require_tests(
-        answered_problems(heldout, limit), heldout), _code_tests_passed, max_new_tokens=64, needs_tests=True),
+        answered_problems(heldout, limit), heldout), _code_tests_passed, max_new_tokens=64, needs_tests=True,
+        runs_code=True),
     # Codex's stop sequences: a completion ends where the next top-level statement would begin.
     "humaneval": Scorer(
         "humaneval", "pass@1", lambda heldout, limit: humaneval_problems(limit), _humaneval_passed,
         max_new_tokens=192, stop=("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"), canonical_nll=True,
-        reads_rows=False,
+        reads_rows=False, runs_code=True,
     ),
 }
 
@@ -265,12 +267,14 @@ SCORED_MODELS = ("base", "expert", "merged", "corrected", "routed")
 
 
 def score_fields(scorer: Scorer, passes: Mapping[str, Sequence[bool] | None]) -> dict[str, object]:
-    """A task's score entries: which scorer on how many problems; per model (SCORED_MODELS) its score and 95%
-    interval; the share of the expert's lead the correction wins back, and corrected against merged paired
-    on the same problems (wins, losses, McNemar's exact p-value)."""
+    """A task's score entries: which scorer on how many problems (and, for code, which sandbox ran it); per model
+    (SCORED_MODELS) its score and 95% interval; the share of the expert's lead the correction wins back, and
+    corrected against merged paired on the same problems (wins, losses, McNemar's exact p-value)."""
     scored = {model: list(passes[model]) for model in SCORED_MODELS if passes.get(model) is not None}
     fields: dict[str, object] = {"score_name": scorer.name, "score_metric": scorer.metric,
                                  "score_n": len(next(iter(scored.values()), []))}
+    if scorer.runs_code:
+        fields["sandbox"] = sandbox_kind()
     for model, outcome in scored.items():
         fields[f"score_{model}"] = sum(outcome) / len(outcome) if outcome else None
         fields[f"score_{model}_ci"] = list(wilson_interval(outcome))

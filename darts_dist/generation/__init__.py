@@ -4,9 +4,9 @@
 """
 
 from darts_dist.generation.corrected_lm import CorrectedLM
-from darts_dist.generation.engine import (ContinuousBatcher, Engine, EngineStats, EngineThread, Event, Finished,
-                                          Sampling, SequenceRequest, Ticket)
+from darts_dist.generation.engine import (ContinuousBatcher, Engine, EngineBusy, EngineStats, EngineStopped,
+                                          EngineThread, Event, Finished, Sampling, SequenceRequest, Ticket)
 from darts_dist.generation.text import Completion
 
-__all__ = ["Completion", "ContinuousBatcher", "CorrectedLM", "Engine", "EngineStats", "EngineThread", "Event",
-           "Finished", "Sampling", "SequenceRequest", "Ticket"]
+__all__ = ["Completion", "ContinuousBatcher", "CorrectedLM", "Engine", "EngineBusy", "EngineStats", "EngineStopped",
+           "EngineThread", "Event", "Finished", "Sampling", "SequenceRequest", "Ticket"]

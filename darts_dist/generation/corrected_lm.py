@@ -23,7 +23,8 @@ from darts_dist.core import (ROUTED, DartsCorrections, TaskRouter, attach_correc
 from darts_dist.errors import DartsError
 from darts_dist.generation.engine import ContinuousBatcher, Event, Finished, Listener, Sampling, SequenceRequest
 from darts_dist.generation.text import Completion
-from darts_dist.sources.models import encode_prompt, load_causal_lm, load_tokenizer, pad_id
+from darts_dist.sources.models import (chat_prompt, encode_prompt, encode_user_chat, encode_user_prompt, load_causal_lm,
+                                       load_tokenizer, pad_id)
 
 # The task index of a routed sequence until the router has decided (−1 is no correction, 0..K−1 a task).
 _ROUTE = -2
@@ -122,9 +123,15 @@ class CorrectedLM:
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
         """A conversation rendered with the tokenizer's chat template, ending where the assistant replies."""
-        if self.tokenizer.chat_template is None:
-            raise DartsError("this model's tokenizer has no chat template", "send plain prompts instead of messages")
-        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return chat_prompt(self.tokenizer, messages)
+
+    def encode_text(self, prompt: str) -> list[int]:
+        """A user's plain prompt (`encode_user_prompt`): a special token's text in it is text."""
+        return encode_user_prompt(self.tokenizer, prompt)
+
+    def chat_text(self, messages: Sequence[dict[str, str]]) -> tuple[str, list[int]]:
+        """A user's conversation, rendered and tokenised (`encode_user_chat`)."""
+        return encode_user_chat(self.tokenizer, messages)
 
     def encode(self, prompt: str, rendered: bool = False) -> list[int]:
         """A plain prompt's tokens, with the tokenizer's default special tokens, as calibration text had; a

@@ -5,10 +5,12 @@ lets waiting sequences join while the batch has room (`max_batch_size` sequences
 that can grow to at most `max_batch_tokens` slots: rows × the longest prompt + max_tokens among
 them), prefills the joiners in one forward (a prompt prefix seen before, such as a system prompt,
 is taken from the prefix cache instead of computed again), then decodes one token for every
-running sequence in one forward. Finished sequences leave at once, so a short answer never waits for a long one and a waiting request never waits for
-a whole batch. Everything is per sequence: its task's correction (the hooks take one task weight
-row per sequence, and position ids count from each sequence's own first token), temperature,
-top_p, stop strings, max_tokens and a random generator of its own.
+running sequence in one forward. Finished sequences leave at once, so a short answer never waits
+for a long one and a waiting request never waits for a whole batch. A request's sequences are one
+group, and groups share the batch fairly (`ContinuousBatcher`). Everything is per sequence: its
+task's correction (the hooks take one task weight row per sequence, and position ids count from
+each sequence's own first token), temperature, top_p, stop strings, max_tokens and a random
+generator of its own.
 
 transformers' own continuous batching (`generate_batch`, a paged cache) is not used: it packs
 every sequence into one flat row, so the correction hooks cannot tell which task a token belongs
@@ -24,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -80,6 +82,14 @@ Event = str | Finished | Exception
 Listener = Callable[[Event], None]
 
 
+class EngineBusy(DartsError):
+    """The waiting room is full: the request is refused whole (none of its sequences was queued)."""
+
+
+class EngineStopped(DartsError):
+    """The engine closed before the sequence finished."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     waiting: int
@@ -87,6 +97,7 @@ class EngineStats:
     generated_tokens: int  # since the engine started
     prompt_tokens: int  # prefilled since the engine started
     cached_prompt_tokens: int  # of which the prefix cache held the keys and values
+    preempted: int  # sequences put back to wait (and recomputed) so that another request could start
 
 
 class Ticket:
@@ -97,9 +108,11 @@ class Ticket:
 
 
 class Engine(Protocol):
-    """What a server needs of a generation engine."""
+    """What a server needs of a generation engine: a request's sequences are submitted together, as one group."""
 
-    def submit(self, request: SequenceRequest, listener: Listener) -> Ticket: ...
+    def submit(self, requests: Sequence[SequenceRequest], listeners: Sequence[Listener]) -> list[Ticket]: ...
+
+    def admits(self, count: int) -> bool: ...
 
     def cancel(self, ticket: Ticket) -> None: ...
 
@@ -127,11 +140,13 @@ class CorrectedModel(Protocol):
 
 
 class _Sequence:
-    """A sequence in the batcher: its request, listener, correction, generator and text so far."""
+    """A sequence in the batcher: its request, listener, group (the request it came in), correction, generator
+    and text so far."""
 
-    def __init__(self, request: SequenceRequest, listener: Listener, ticket: Ticket, task_index: int,
+    def __init__(self, request: SequenceRequest, listener: Listener, ticket: Ticket, group: object, task_index: int,
                  generator: torch.Generator, text: SequenceText) -> None:
         self.request = request
+        self.group = group
         self.listener = listener
         self.ticket = ticket
         self.task_index = task_index
@@ -141,6 +156,7 @@ class _Sequence:
         self.applied: tuple[str | None, float | None] = (None, None)  # the task applied, the router's confidence
         self.length = len(request.ids)  # tokens in the KV cache
         self.pending = -1  # the last token drawn, not in the cache yet
+        self.started = False  # prefilled once: routed, its prompt counted
         self.batch_size = 0
         self.done = False  # Finished or failed: it hears nothing more
 
@@ -160,30 +176,74 @@ class _Sequence:
     def reserved(self) -> int:
         return len(self.request.ids) + self.request.sampling.max_tokens
 
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        """What its prefill computes: the prompt, and once preempted the tokens it generated since (the last
+        one drawn included, so the prefill's logits draw the next)."""
+        return self.request.ids + tuple(self.text.tokens)
+
 
 class ContinuousBatcher:
-    """The scheduler and the batch state; `step` runs one iteration. Not thread-safe except `add` and `cancel`."""
+    """The scheduler and the batch state; `step` runs one iteration. Not thread-safe except `add`, `add_group`
+    and `cancel`.
+
+    Sequences come in groups (a request's prompts). The waiting room holds at most `max_waiting` sequences; a group
+    is queued only while the room left after it is at least its own size, so that large groups are refused first
+    and never fill the room single prompts need. Admission is fair across groups: the group holding the fewest
+    running sequences goes first, and a group with none yet may preempt a sequence of the group holding the most
+    (which keeps at least one), so one request's prompts never hold every slot while another waits. A preempted
+    sequence is recomputed when it rejoins: its prompt and the tokens it had generated are prefilled again.
+    """
 
     def __init__(self, lm: CorrectedModel, max_batch_size: int, max_batch_tokens: int | None = None,
-                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> None:
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, max_waiting: int | None = None) -> None:
         if max_batch_size < 1:
             raise DartsError(f"max_batch_size must be at least 1, got {max_batch_size}")
         check_full_attention(lm.model.config)  # before any request, not at the first join
         self.lm = lm
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.max_waiting = max_waiting
         self.device = next(lm.model.parameters()).device
-        self.waiting: deque[_Sequence] = deque()
+        # Waiting sequences by group, groups in turn order (a group that had a turn goes to the end).
+        self.waiting: dict[object, deque[_Sequence]] = {}
         self.running: list[_Sequence] = []
         self.cache = BatchCache()
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0  # prompt tokens whose keys and values came from the prefix cache
+        self.preempted = 0  # sequences put back to wait for a fairer share of the batch
         self._lock = threading.Lock()
 
     def add(self, request: SequenceRequest, listener: Listener) -> Ticket:
-        """Queue a sequence; a DartsError names a request that can never run (unknown task, too long, ...)."""
+        """Queue one sequence, a group of its own; a DartsError names a request that can never run."""
+        return self.add_group([request], [listener])[0]
+
+    def add_group(self, requests: Sequence[SequenceRequest], listeners: Sequence[Listener]) -> list[Ticket]:
+        """Queue a request's sequences together; a DartsError names one that can never run (unknown task, too
+        long, ...), EngineBusy a full waiting room. Either way none of them is queued."""
+        group = object()
+        sequences = [self._sequence(request, listener, group) for request, listener in zip(requests, listeners,
+                                                                                            strict=True)]
+        with self._lock:
+            if not self._admits(len(sequences)):
+                raise EngineBusy(f"{self.waiting_count()} sequences are waiting; this request's {len(sequences)} do "
+                                 f"not fit the waiting room of {self.max_waiting} (serve.max_waiting_sequences)",
+                                 "retry in a moment, or send fewer prompts per request")
+            self.waiting[group] = deque(sequences)
+        return [s.ticket for s in sequences]
+
+    def admits(self, count: int) -> bool:
+        """Whether a group of `count` sequences would be queued now."""
+        with self._lock:
+            return self._admits(count)
+
+    def _admits(self, count: int) -> bool:
+        # The room left after the group must be at least its own size: large groups are refused first.
+        return self.max_waiting is None or self.waiting_count() + 2 * count <= self.max_waiting
+
+    def _sequence(self, request: SequenceRequest, listener: Listener, group: object) -> _Sequence:
         if not request.ids:
             raise DartsError("a prompt is empty after tokenisation", "send at least one token of text")
         sampling = request.sampling
@@ -198,14 +258,13 @@ class ContinuousBatcher:
             raise DartsError(f"the prompt's {len(request.ids)} tokens and max_tokens {sampling.max_tokens} exceed the "
                              f"batch's token budget of {self.max_batch_tokens}",
                              "shorten the prompt, lower max_tokens, or raise serve.max_batch_tokens")
-        ticket = Ticket()
         eos_ids = set() if sampling.ignore_eos else self.lm.eos_ids
         text = SequenceText(self.lm.tokenizer, eos_ids, sampling.stop, sampling.max_tokens, request.stream)
-        sequence = _Sequence(request, listener, ticket, self.lm.task_index(request.task),
-                             new_generator(sampling.seed, self.device), text)
-        with self._lock:
-            self.waiting.append(sequence)
-        return ticket
+        return _Sequence(request, listener, Ticket(), group, self.lm.task_index(request.task),
+                         new_generator(sampling.seed, self.device), text)
+
+    def waiting_count(self) -> int:
+        return sum(len(queue) for queue in self.waiting.values())
 
     def cancel(self, ticket: Ticket) -> None:
         """The sequence leaves at the next step; its listener hears nothing more."""
@@ -215,8 +274,8 @@ class ContinuousBatcher:
         return bool(self.running or self.waiting)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.waiting), len(self.running), self.generated_tokens, self.prompt_tokens,
-                           self.cached_prompt_tokens)
+        return EngineStats(self.waiting_count(), len(self.running), self.generated_tokens, self.prompt_tokens,
+                           self.cached_prompt_tokens, self.preempted)
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -253,21 +312,54 @@ class ContinuousBatcher:
             self.step()
 
     def _admit(self) -> list[_Sequence]:
-        """Waiting sequences, first come first served, while the batch has room for them."""
+        """Waiting sequences that join now, while the batch has room: the group holding the fewest running
+        sequences first (ties: turn order); a group with none running may preempt one to get in."""
         joining: list[_Sequence] = []
-        # The left-aligned cache is rows × its widest row; no row grows past its prompt + max_tokens.
-        widest = max((s.reserved for s in self.running), default=0)
         with self._lock:
             # Requests given up while waiting leave the queue (and its count) at once.
-            self.waiting = deque(s for s in self.waiting if not s.ticket.cancelled)
-            while self.waiting and len(self.running) + len(joining) < self.max_batch_size:
-                sequence = self.waiting[0]
-                rows = len(self.running) + len(joining) + 1
-                if self.max_batch_tokens is not None and rows * max(widest, sequence.reserved) > self.max_batch_tokens:
-                    break  # it waits for room; later arrivals wait behind it, so long prompts never starve
-                joining.append(self.waiting.popleft())
-                widest = max(widest, sequence.reserved)
+            for group, queue in list(self.waiting.items()):
+                queue = deque(s for s in queue if not s.ticket.cancelled)
+                if queue:
+                    self.waiting[group] = queue
+                else:
+                    del self.waiting[group]
+            held = Counter(s.group for s in self.running)
+            while self.waiting:
+                group = min(self.waiting, key=lambda g: held[g])  # min keeps the first of equals: turn order
+                sequence = self.waiting[group][0]
+                if not self._fits(joining, sequence):
+                    if held[group] == 0 and self._preempt(held):
+                        continue
+                    break  # it waits for room; the others wait behind it, so long prompts never starve
+                joining.append(self.waiting[group].popleft())
+                held[group] += 1
+                queue = self.waiting.pop(group)
+                if queue:
+                    self.waiting[group] = queue  # its turn is over: to the end
         return joining
+
+    def _fits(self, joining: list[_Sequence], sequence: _Sequence) -> bool:
+        """Whether `sequence` fits beside the running and joining ones: the left-aligned cache is rows × its widest
+        row, and no row grows past its prompt + max_tokens."""
+        rows = len(self.running) + len(joining) + 1
+        if rows > self.max_batch_size:
+            return False
+        widest = max((s.reserved for s in [*self.running, *joining, sequence]))
+        return self.max_batch_tokens is None or rows * widest <= self.max_batch_tokens
+
+    def _preempt(self, held: Counter) -> bool:
+        """Put back one running sequence of the group running the most (if it runs more than one): the newest of
+        them, at the front of its group's queue. False when no group can give one up."""
+        running = Counter(s.group for s in self.running)
+        group, count = max(running.items(), key=lambda item: item[1], default=(None, 0))
+        if count < 2:
+            return False
+        victim = next(s for s in reversed(self.running) if s.group is group)
+        self._leave([victim])
+        held[group] -= 1
+        self.preempted += 1
+        self.waiting.setdefault(group, deque()).appendleft(victim)
+        return True
 
     def _prefill(self, joining: list[_Sequence]) -> None:
         """The joiners' prompts in one forward: their KV cache joins the batch's, their first tokens are drawn.
@@ -277,11 +369,17 @@ class ContinuousBatcher:
         prompt, which is left-padded in turn, and the mask and position ids say where each token is; after
         the forward the rows are left-aligned, so no hole joins the batch.
         """
-        prompts = [s.request.ids for s in joining]
-        weights, applied = self.lm.task_weights([s.task_index for s in joining], prompts)
-        for row, sequence in enumerate(joining):
-            sequence.weights = None if weights is None else weights[row]
-            sequence.applied = applied[row]
+        fresh = [s for s in joining if not s.started]  # a preempted sequence keeps its routing
+        if fresh:
+            weights, applied = self.lm.task_weights([s.task_index for s in fresh], [s.request.ids for s in fresh])
+            for row, sequence in enumerate(fresh):
+                sequence.weights = None if weights is None else weights[row]
+                sequence.applied = applied[row]
+                sequence.started = True
+            self.prompt_tokens += sum(len(s.request.ids) for s in fresh)
+        prompts = [s.prompt for s in joining]
+        for sequence, ids in zip(joining, prompts):
+            sequence.length = len(ids)
         # The prefix cache's key: the correction, where it changes the keys and values.
         corrections = [tuple(s.weights.tolist()) if s.weights is not None and self.lm.corrects_kv else None
                        for s in joining]
@@ -296,12 +394,11 @@ class ContinuousBatcher:
         cache = cache_with_past(self.lm.model.config, past)
         logits = self._forward(input_ids, mask, positions, cache, joining)
         for row, (correction, ids) in enumerate(zip(corrections, prompts)):
-            if self.prefixes.keeps(ids):
+            if joining[row] in fresh and self.prefixes.keeps(ids):  # prompts only, not what was generated
                 columns = mask[row].nonzero().squeeze(1).to(self.device)
                 self.prefixes.store(correction, ids, [(layer.keys[row][:, columns], layer.values[row][:, columns])
                                                       for layer in cache.layers])
-        self.prompt_tokens += sum(len(ids) for ids in prompts)
-        self.cached_prompt_tokens += int(lengths.sum())
+        self.cached_prompt_tokens += sum(n for (n, _), s in zip(cached, joining) if s in fresh)
         if past is not None:  # no holes between a cached prefix and the rest of its prompt in the batch
             mask = left_align(cache, mask)
         self.cache.join(cache, mask.to(self.device))
@@ -387,14 +484,17 @@ class EngineThread:
         self._thread = threading.Thread(target=self._loop, name="darts-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, request: SequenceRequest, listener: Listener) -> Ticket:
-        ticket = self.batcher.add(request, listener)
+    def submit(self, requests: Sequence[SequenceRequest], listeners: Sequence[Listener]) -> list[Ticket]:
+        tickets = self.batcher.add_group(requests, listeners)
         with self._wake:
             self._wake.notify()
-        return ticket
+        return tickets
 
     def cancel(self, ticket: Ticket) -> None:
         self.batcher.cancel(ticket)
+
+    def admits(self, count: int) -> bool:
+        return self.batcher.admits(count)
 
     def stats(self) -> EngineStats:
         return self.batcher.stats()
@@ -405,8 +505,8 @@ class EngineThread:
             self._closed = True
             self._wake.notify()
         self._thread.join()
-        stopped = DartsError("the generation engine stopped", "send the request again")
-        for sequence in [*self.batcher.running, *self.batcher.waiting]:
+        stopped = EngineStopped("the generation engine stopped", "send the request again")
+        for sequence in [*self.batcher.running, *(s for queue in self.batcher.waiting.values() for s in queue)]:
             sequence.tell(stopped)
 
     def _loop(self) -> None:

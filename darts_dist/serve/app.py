@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
@@ -43,13 +44,15 @@ from ray.serve import metrics
 from ray.serve.config import AutoscalingConfig
 from ray.serve.deployment import Application
 from ray.serve.exceptions import RayServeException
+from starlette.exceptions import HTTPException
 
 from darts_dist.config import ServeSection
 from darts_dist.core import ROUTED
 from darts_dist.errors import DartsError
-from darts_dist.generation import (Completion, ContinuousBatcher, CorrectedLM, Engine, EngineThread, Event, Finished,
-                                   Sampling, SequenceRequest)
+from darts_dist.generation import (Completion, ContinuousBatcher, CorrectedLM, Engine, EngineBusy, EngineStopped,
+                                   EngineThread, Event, Finished, Sampling, SequenceRequest)
 from darts_dist.logs import init_ray
+from darts_dist.serve.access import resolve_api_key, warn_if_exposed
 from darts_dist.serve.capture import CapturedPrompt, TrafficCapture
 from darts_dist.serve.follow import start_follower, stop_follower
 from darts_dist.serve.model import ModelSource, model_ids, resolve_model, serve_settings
@@ -62,6 +65,7 @@ from darts_dist.serve.openai_api import (
     chunk,
     completion_response,
     darts,
+    internal_error,
     parse,
     role_chunk,
     sse,
@@ -70,9 +74,9 @@ from darts_dist.serve.openai_api import (
 from darts_dist.sources.models import model_dtype
 
 logger = logging.getLogger(__name__)
-API_KEY_ENV = "DARTS_DIST_API_KEY"
 APP_NAME = "darts-dist"
 METRICS_INTERVAL_S = 1.0
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait: about the time a few decoding steps free a slot
 
 
 # --- the deployment ------------------------------------------------------------------------------
@@ -142,7 +146,25 @@ api = FastAPI(title="darts-dist", docs_url=None, redoc_url=None, openapi_url=Non
 
 @api.exception_handler(ApiError)
 async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """FastAPI's own refusals (an unknown path, a wrong method) in OpenAI's error shape."""
+    return await _api_error(request, ApiError(error.status_code, str(error.detail), code="invalid_request",
+                                              headers=getattr(error, "headers", None)))
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    return await _api_error(request, ApiError(400, "invalid request", code="invalid_value"))
+
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+    """Anything else is a bug: a JSON 500 with an id the log line carries, never the exception's text."""
+    return await _api_error(request, internal_error(logger, f"{request.method} {request.url.path} failed"))
 
 
 @serve.deployment(max_constructor_retry_count=2)
@@ -167,8 +189,9 @@ class DartsServer:
         self.api_key = api_key
         self.created = int(time.time())
         # One engine thread: the model's correction hooks hold one forward's task weights at a time.
-        self.engine: Engine = EngineThread(ContinuousBatcher(self.lm, settings.max_batch_size,
-                                                             settings.max_batch_tokens, settings.prefix_cache_tokens))
+        self.engine: Engine = EngineThread(ContinuousBatcher(
+            self.lm, settings.max_batch_size, settings.max_batch_tokens, settings.prefix_cache_tokens,
+            max_waiting=settings.max_waiting_sequences))
         self.metrics = EngineMetrics(self.engine)
         self.capture = TrafficCapture(settings.capture) if settings.capture.enabled else None
         self.load_s = time.monotonic() - started
@@ -181,7 +204,11 @@ class DartsServer:
                 getattr(self, part).close()
 
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, Any]:
+    async def healthz(self, request: Request) -> dict[str, Any]:
+        """Ready or not for anyone; the model and the engine's counters only with the key (exact prefix-cache
+        counters would tell a stranger whether someone else sent a prompt)."""
+        if not self.authorized(request):
+            return {"status": "ok"}
         stats = self.engine.stats()
         return {"status": "ok", "model": self.name, "model_version": self.version, "load_s": round(self.load_s, 2),
                 "capture": self.capture is not None, **dataclasses.asdict(stats)}
@@ -201,7 +228,11 @@ class DartsServer:
         body = parse(CompletionRequest, await self.body(request))
         task = self.task(body.model)
         prompts = list(body.prompts)
-        encoded = [self.lm.encode(prompt) for prompt in prompts]
+        if len(prompts) > self.settings.max_prompts_per_request:
+            raise ApiError(400, f"the request has {len(prompts)} prompts, this server takes at most "
+                           f"{self.settings.max_prompts_per_request} per request (serve.max_prompts_per_request); "
+                           "send them in several requests", param="prompt", code="too_many_prompts")
+        encoded = [self.lm.encode_text(prompt) for prompt in prompts]
         return await self.respond(body, task, prompts, encoded, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
                                   chat=False)
 
@@ -211,24 +242,32 @@ class DartsServer:
         body = parse(ChatRequest, await self.body(request))
         task = self.task(body.model)
         try:
-            prompt = self.lm.chat_prompt(body.conversation)
+            prompt, ids = self.lm.chat_text(body.conversation)
         except DartsError as error:
             raise ApiError(400, str(error), param="messages") from None
-        encoded = [self.lm.encode(prompt, rendered=True)]
+        encoded = [ids]
         # Without a limit a reply may run to the end of the context, up to the server's limit.
         max_tokens = body.token_limit or min(self.settings.max_tokens_limit, max(1, self.context - len(encoded[0])))
         return await self.respond(body, task, [prompt], encoded, max_tokens, chat=True)
 
-    def authorize(self, request: Request) -> None:
+    def authorized(self, request: Request) -> bool:
         if self.api_key is None:
-            return
+            return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    def authorize(self, request: Request) -> None:
+        if not self.authorized(request):
             raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
 
     async def body(self, request: Request) -> bytes:
         return await read_body(request, self.settings.max_request_bytes, self.settings.body_timeout_s)
+
+    def busy(self) -> ApiError:
+        return ApiError(429, f"this replica's waiting room (serve.max_waiting_sequences) has no room for the request "
+                        f"now; retry after {RETRY_AFTER_S} s, or send fewer prompts per request",
+                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def task(self, model_id: str) -> str | None:
         if model_id not in self.ids:
@@ -259,6 +298,8 @@ class DartsServer:
     ) -> Any:
         for ids in encoded:
             self.check_length(ids, max_tokens)
+        if not self.engine.admits(len(encoded)):  # before a stream's 200 goes out (a race still fails in the stream)
+            raise self.busy()
         temperature = 1.0 if body.temperature is None else body.temperature
         # Greedy decoding ignores top_p and the seed.
         sampling = Sampling(max_tokens, temperature, 1.0 if temperature == 0 else body.top_p or 1.0,
@@ -305,9 +346,8 @@ class DartsServer:
                 yield sse(usage_chunk(rid, self.created, body.model, finished, chat))
         except ApiError as error:
             yield sse(error.body())
-        except Exception as error:  # noqa: BLE001 - the stream reports it and ends; the replica lives on
-            logger.exception("stream %s failed", rid)
-            yield sse(ApiError(500, f"generation failed: {error}").body())
+        except Exception:  # noqa: BLE001 - the stream reports it and ends; the replica lives on
+            yield sse(internal_error(logger, f"stream {rid} failed").body())
         yield DONE
 
     async def generate(self, rid: str, requests: list[SequenceRequest]) -> AsyncIterator[tuple[int, str | Finished]]:
@@ -319,21 +359,25 @@ class DartsServer:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         tickets = []
-        try:
-            for index, request in enumerate(requests):
-                def hear(event: Event, index: int = index) -> None:
-                    loop.call_soon_threadsafe(queue.put_nowait, (index, event))
 
-                try:
-                    tickets.append(self.engine.submit(request, hear))
-                except DartsError as error:
-                    raise ApiError(400, str(error)) from None
+        def listener(index: int) -> Callable[[Event], None]:
+            return lambda event: loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+
+        try:
+            try:
+                tickets = self.engine.submit(requests, [listener(i) for i in range(len(requests))])
+            except EngineBusy:
+                raise self.busy() from None
+            except DartsError as error:
+                raise ApiError(400, str(error)) from None
             running = len(requests)
             while running:
                 index, event = await queue.get()
+                if isinstance(event, EngineStopped):  # the replica is stopping
+                    raise ApiError(503, str(event), code="service_unavailable",
+                                   headers={"Retry-After": str(RETRY_AFTER_S)})
                 if isinstance(event, Exception):  # its forward failed; the replica lives on
-                    logger.error("request %s failed: %s", rid, event)
-                    raise ApiError(400 if isinstance(event, DartsError) else 500, f"generation failed: {event}")
+                    raise internal_error(logger, f"request {rid} failed", event)
                 running -= isinstance(event, Finished)
                 yield index, event
         finally:
@@ -348,6 +392,7 @@ def build_app(source: ModelSource, settings: ServeSection, api_key: str | None =
     """The Serve application: replicas (or autoscaling), concurrency, and one GPU each when `use_gpu`."""
     options: dict[str, Any] = {
         "max_ongoing_requests": settings.max_ongoing_requests,
+        "max_queued_requests": settings.max_queued_requests,
         "ray_actor_options": {"num_cpus": settings.num_cpus, "num_gpus": 1 if settings.use_gpu else 0},
         # A rolling update (a new version, `serve.follow_alias`) starts new replicas before it stops old ones,
         # and lets an old one finish its requests, streams too, for up to drain_timeout_s.
@@ -368,13 +413,14 @@ def build_app(source: ModelSource, settings: ServeSection, api_key: str | None =
 
 def app_builder(args: dict[str, Any]) -> Application:
     """The import path for `serve deploy` / `serve run` (jobs/serve.yaml): `args` has `model` and optionally
-    `tracking_uri`, `name`, `api_key` (else DARTS_DIST_API_KEY) and any key of the config's serve section."""
+    `tracking_uri`, `name`, `api_key_file` or `api_key` (else DARTS_DIST_API_KEY) and any key of the config's serve
+    section."""
     args = dict(args)
     if "model" not in args:
         raise DartsError("the Serve application's args lack 'model'", "add args: {model: models:/NAME@ALIAS}")
     source, config = resolve_model(args.pop("model"), tracking=args.pop("tracking_uri", None),
                                    name=args.pop("name", None))
-    api_key = args.pop("api_key", None) or os.environ.get(API_KEY_ENV)
+    api_key = resolve_api_key(args.pop("api_key", None), args.pop("api_key_file", None))
     settings = serve_settings(config, **args)
     check_capture_folder(settings)
     stop_follower()  # a follower left by `serve-deploy` must not move this app; this one pins its version
@@ -424,6 +470,7 @@ def start(source: ModelSource, settings: ServeSection, api_key: str | None = Non
         logger.warning("serve.follow_alias is set, but %s is no models:/NAME@ALIAS: serving it without following",
                        source.registered or "a local model")
     check_capture_folder(settings)
+    warn_if_exposed(settings.host, api_key)
     # request_timeout_s: the proxy answers 408 to a request still unanswered then (its own end-to-end bound).
     serve.start(http_options={"host": settings.host, "port": settings.port,
                               "request_timeout_s": settings.request_timeout_s})

@@ -1,8 +1,10 @@
 """Opt-in traffic capture (`serve.capture`): the prompts a server answers, kept in a bounded folder of segments.
 
-Each replica buffers its prompts and writes them out as a new segment, `capture-<ms>-<writer>-<n>.jsonl`, every
-`flush_s` seconds or `segment_bytes`, under a temporary name first and renamed when complete, so a reader never
-sees half a segment. After each write the oldest segments go until the folder holds at most `max_bytes`. A record
+Each replica buffers its prompts and writes them out, one segment per task, `capture-<ms>-<task>-<writer>-<n>.jsonl`
+(`none` for prompts no correction applied to), every `flush_s` seconds or `segment_bytes`, under a temporary name
+first and renamed when complete, so a reader never sees half a segment. After each write the task's oldest segments
+go until it holds at most its share of `max_bytes` (an equal share per task in the folder), so a flood of one model
+id cannot evict the others' traffic. Segments are 0600 in a 0700 folder: prompts are other people's text. A record
 is the prompt's text (a chat's rendered with the chat template), the task whose correction applied, whether it
 was a chat, the model version and the time: never the response, a key or a header. Capture never fails a
 request: a segment that cannot be written is logged and dropped.
@@ -26,6 +28,7 @@ from darts_dist.errors import DartsError
 
 logger = logging.getLogger(__name__)
 SEGMENT_GLOB = "capture-*.jsonl"
+NO_TASK = "none"  # the segments of prompts no correction applied to
 
 
 @dataclass(frozen=True)
@@ -46,17 +49,23 @@ def segments(folder: Path) -> list[Path]:
     return sorted(folder.glob(SEGMENT_GLOB))
 
 
+def segment_task(path: Path) -> str:
+    """The task a segment holds (capture-<ms>-<task>-<writer>-<n>.jsonl; a task name may hold '-')."""
+    return path.stem.split("-", 2)[2].rsplit("-", 2)[0]
+
+
 class TrafficCapture:
     """One replica's writer: `record` is cheap (a buffer append); a thread of its own writes the segments."""
 
     def __init__(self, settings: CaptureSection) -> None:
         self.settings = settings
         self.folder = settings.dir
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.folder.chmod(0o700)
         self.writer = uuid.uuid4().hex[:8]
         self.written = 0  # segments written by this writer
         self.dropped = 0  # records lost: failed writes, or a buffer full while writes lag
-        self._lines: list[str] = []
+        self._lines: dict[str, list[str]] = defaultdict(list)  # per task
         self._size = 0
         self._lock = threading.Lock()
         self._full = threading.Event()
@@ -71,22 +80,25 @@ class TrafficCapture:
             if self._size + len(line) > 2 * self.settings.segment_bytes:
                 self.dropped += 1
                 return
-            self._lines.append(line)
+            self._lines[prompt.task or NO_TASK].append(line)
             self._size += len(line)
             if self._size >= self.settings.segment_bytes:
                 self._full.set()
 
     def flush(self) -> None:
-        """Write what is buffered as one segment, then trim the folder to max_bytes."""
+        """Write what is buffered as one segment per task, then trim each task's segments to its share."""
         with self._lock:
-            lines, self._lines, self._size = self._lines, [], 0
+            buffered, self._lines, self._size = self._lines, defaultdict(list), 0
             self._full.clear()
-        if not lines:
-            return
-        name = f"capture-{time.time_ns() // 1_000_000:013d}-{self.writer}-{self.written:06d}.jsonl"
+        for task, lines in buffered.items():
+            self._write(task, lines)
+
+    def _write(self, task: str, lines: list[str]) -> None:
+        name = f"capture-{time.time_ns() // 1_000_000:013d}-{task}-{self.writer}-{self.written:06d}.jsonl"
         tmp = self.folder / f".{name}.tmp"
         try:
-            tmp.write_text("".join(lines), encoding="ascii")
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="ascii") as out:
+                out.write("".join(lines))
             os.replace(tmp, self.folder / name)
         except OSError as error:
             with contextlib.suppress(OSError):  # the folder itself may be what is gone
@@ -102,20 +114,23 @@ class TrafficCapture:
                          error)
 
     def _trim(self, keep: Path) -> None:
-        """Delete the oldest segments until the folder holds at most max_bytes; never `keep`, the one just written."""
-        found = []
+        """Delete each task's oldest segments until it holds at most its share of max_bytes (equal shares among the
+        tasks in the folder); never `keep`, the one just written."""
+        found: dict[str, list[tuple[Path, int]]] = defaultdict(list)
         for path in segments(self.folder):
             try:
-                found.append((path, path.stat().st_size))
+                found[segment_task(path)].append((path, path.stat().st_size))
             except FileNotFoundError:  # another replica trimmed it
                 pass
-        total = sum(size for _, size in found)
-        for path, size in found:
-            if total <= self.settings.max_bytes:
-                break
-            if path != keep:
-                path.unlink(missing_ok=True)
-                total -= size
+        share = self.settings.max_bytes // max(1, len(found))
+        for kept in found.values():
+            total = sum(size for _, size in kept)
+            for path, size in kept:
+                if total <= share:
+                    break
+                if path != keep:
+                    path.unlink(missing_ok=True)
+                    total -= size
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -9,6 +9,8 @@ servers do; settings that would change the answer and are not supported (`n` > 1
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -18,21 +20,40 @@ from darts_dist.generation import Completion
 
 DONE = "data: [DONE]\n\n"
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+# An error body stays small whatever the request held: a few validation errors, each cut, and a count of the rest.
+ERRORS_SHOWN = 3
+ERROR_PART_CHARS = 300
+ERROR_MESSAGE_CHARS = 2000
 
 
 class ApiError(Exception):
-    """A request the API refuses: an HTTP status and OpenAI's error body."""
+    """A request the API refuses: an HTTP status and OpenAI's error body (its message cut to a bound)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
-        self.param = param
+        self.message = cut(message, ERROR_MESSAGE_CHARS)
+        self.param = None if param is None else cut(param, ERROR_PART_CHARS)
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        kind = ("server_error" if self.status >= 500 else "rate_limit_error" if self.status == 429
+                else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def internal_error(log: logging.Logger, what: str, error: BaseException | None = None) -> ApiError:
+    """A 500 that says nothing of the failure (no exception text, path or trace) but an id; the log line, written
+    here with the traceback of `error` (default: the exception being handled), carries the same id."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("%s (error id %s)", what, error_id, exc_info=error or True)
+    return ApiError(500, f"internal error (id {error_id}); the server's log has the details", code="internal_error")
+
+
+def cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
 
 
 class _Body(BaseModel):
@@ -135,20 +156,34 @@ class ChatRequest(_GenerationRequest):
 
 
 def parse(kind: type[_GenerationRequest], raw: bytes) -> _GenerationRequest:
-    """A request body, validated; bad JSON or bad fields become a 400 saying which field and why."""
+    """A request body, validated; bad JSON or bad fields become a 400 saying which field and why (the first few)."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     try:
-        return kind.model_validate(data)
+        request = kind.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        reasons = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
-        raise ApiError(400, f"invalid request: {reasons}", param=where or None, code="invalid_value") from None
+        errors = error.errors(include_url=False, include_input=False)
+        where = ".".join(str(part) for part in errors[0]["loc"])
+        shown = [cut(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}", ERROR_PART_CHARS)
+                 for e in errors[:ERRORS_SHOWN]]
+        more = f" (and {len(errors) - ERRORS_SHOWN} more errors)" if len(errors) > ERRORS_SHOWN else ""
+        raise ApiError(400, f"invalid request: {'; '.join(shown)}{more}", param=where or None,
+                       code="invalid_value") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
+    try:
+        # JSON may escape lone UTF-16 surrogates ("\\ud800"), which are no text a tokenizer can read.
+        request.model_dump_json()
+    except ValueError:
+        raise ApiError(400, "the request holds a lone UTF-16 surrogate (e.g. \\ud800): send valid Unicode text",
+                       code="invalid_value") from None
+    return request
 
 
 def sse(data: dict[str, Any]) -> str:

@@ -18,10 +18,11 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import jinja2
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -297,6 +298,46 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, rendered: boo
     """A prompt's token ids as the server reads it: with the tokenizer's default special tokens, except for a
     prompt `rendered` with the chat template, which holds its special tokens already."""
     return tokenizer(prompt, add_special_tokens=not rendered, verbose=False)["input_ids"]
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> str:
+    """A conversation rendered with the tokenizer's chat template, ending where the assistant replies."""
+    if tokenizer.chat_template is None:
+        raise DartsError("this model's tokenizer has no chat template", "send plain prompts instead of messages")
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    except jinja2.TemplateError as error:  # the template's own checks, e.g. Llama-2's alternating roles
+        raise DartsError(f"this model's chat template refuses the conversation: {error}",
+                         "send the roles in the order the model's chat template expects") from None
+
+
+def encode_user_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """A user's plain prompt: as `encode_prompt`, except that a special token's text in it (`<|im_start|>`, ...) is
+    text, not that token, so that a user cannot open a system turn."""
+    return tokenizer(prompt, split_special_tokens=True, verbose=False)["input_ids"]
+
+
+def encode_user_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> tuple[str, list[int]]:
+    """A user's conversation, rendered and tokenised: the chat template's markers are special tokens, a special
+    token's text inside a message is text.
+
+    A conversation without such text is tokenised whole, exactly as calibration's chats are. Otherwise the template
+    is rendered around placeholders, and its pieces and the messages are tokenised apart (the messages as in
+    `encode_user_prompt`); a template that edits message content (strips it, say) sees the placeholders instead.
+    """
+    rendered = chat_prompt(tokenizer, messages)
+    specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    if not any(marker in m["content"] for m in messages for marker in specials):
+        return rendered, encode_prompt(tokenizer, rendered, rendered=True)
+    holes = [f"\x00{index}\x00" for index in range(len(messages))]
+    shape = chat_prompt(tokenizer, [{**m, "content": hole} for m, hole in zip(messages, holes)])
+    ids: list[int] = []
+    for message, hole in zip(messages, holes):
+        before, _, shape = shape.partition(hole)
+        ids += encode_prompt(tokenizer, before, rendered=True)
+        ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True,
+                         verbose=False)["input_ids"]
+    return rendered, ids + encode_prompt(tokenizer, shape, rendered=True)
 
 
 def resolve_device(device: str) -> torch.device:

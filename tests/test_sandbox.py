@@ -1,0 +1,198 @@
+"""The sandbox model-written code runs in: its processes are capped and die with it, setsid() or not; it
+reaches no network and nothing outside its folder (bwrap); its output is cut and never held whole by the
+evaluator; without bwrap it falls back to resource limits, with one warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from darts_dist.evaluate import sandbox
+from darts_dist.evaluate.sandbox import BWRAP, KILL_WAIT, RLIMITS, SANDBOX_FILE_SIZE, run_sandboxed, sandbox_kind
+
+NO_BWRAP = "bubblewrap cannot start a sandbox here (sandbox_kind() is 'rlimits': see its warning)"
+OVER_THE_LIMIT = f"failed: output over the limit ({SANDBOX_FILE_SIZE >> 20} MiB)"
+
+# Forks 40 times, each child sleeping: under a cap of 16 processes it must stop short of 40.
+BOUNDED_FORKS = """\
+import os, time
+forked = 0
+for _ in range(40):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(3)
+        os._exit(0)
+    forked += 1
+assert forked < 40, forked
+"""
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+FLOOD = "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1_000_000)\n"  # 100 MB of output
+
+
+@pytest.fixture(params=[BWRAP, RLIMITS])
+def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each test twice: in bwrap's sandbox (skipped where it cannot start) and in the fallback without it."""
+    sandbox_kind.cache_clear()
+    if request.param == RLIMITS:
+        monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
+    elif sandbox_kind() != BWRAP:
+        pytest.skip(NO_BWRAP)
+    yield request.param
+    sandbox_kind.cache_clear()
+
+
+@pytest.fixture
+def in_bwrap() -> None:
+    if sandbox_kind() != BWRAP:
+        pytest.skip(NO_BWRAP)
+
+
+def process_count() -> int:
+    return sum(entry.isdigit() for entry in os.listdir("/proc"))
+
+
+def processes_with(tag: str) -> list[int]:
+    """The processes whose command line holds `tag`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and tag.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_fork_bomb_is_capped_and_every_process_ends_with_it(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kind == RLIMITS and os.geteuid() == 0:
+        pytest.skip("root is exempt from RLIMIT_NPROC: without bwrap nothing caps a root program's processes")
+    # The cap is proven on a bounded loop first: an unbounded fork bomb that escaped it would take the machine.
+    with monkeypatch.context() as low_cap:
+        low_cap.setattr(sandbox, "SANDBOX_PROCESSES", 16)
+        proof = run_sandboxed(BOUNDED_FORKS, timeout=10.0)
+    if not proof.passed:
+        pytest.fail(f"the process cap did not hold ({proof.status}); the fork bomb is not run")
+    before, started = process_count(), time.monotonic()
+    bomb = run_sandboxed(FORK_BOMB, timeout=2.0)
+    assert bomb.status == "timed out" and bomb.sandbox == kind
+    assert time.monotonic() - started < 2.0 + KILL_WAIT
+    deadline = time.monotonic() + 5.0
+    while process_count() > before + 10 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_count() <= before + 10  # slack for whatever else this machine starts meanwhile
+
+
+def test_a_grandchild_that_left_the_session_dies_at_the_timeout(kind: str) -> None:
+    tag = f"darts-sandbox-grandchild-{secrets.token_hex(8)}"
+    program = (f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n"
+               f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(30)', {tag!r}])\n"
+               "time.sleep(60)\n")
+    seen, done = [], threading.Event()
+
+    def watch() -> None:  # the control: the grandchild did start
+        while not done.is_set() and not seen:
+            seen.extend(processes_with(tag))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    started = time.monotonic()
+    try:
+        result = run_sandboxed(program, timeout=1.5)
+    finally:
+        done.set()
+        watcher.join()
+    assert result.status == "timed out" and seen
+    assert time.monotonic() - started < 1.5 + KILL_WAIT  # not waiting on the grandchild's sleep
+    assert processes_with(tag) == []
+
+
+def test_output_is_cut_at_the_file_size_limit(kind: str) -> None:
+    flood = run_sandboxed(FLOOD, timeout=30.0)
+    assert not flood.passed and flood.status == OVER_THE_LIMIT
+    assert run_sandboxed("print('x' * 1_000_000)\n", timeout=10.0).passed  # a megabyte is fine
+
+
+def test_the_evaluator_never_holds_the_whole_output() -> None:
+    # A fresh process that imports only the sandbox, so its peak memory is the sandbox's doing.
+    script = (
+        "import json, resource\n"
+        "from darts_dist.evaluate.sandbox import run_sandboxed\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"result = run_sandboxed({FLOOD!r}, 30.0)\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(json.dumps({'status': result.status, 'grew_kib': after - before}))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
+                         cwd=Path(__file__).absolute().parent.parent)
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    assert measured["status"] == OVER_THE_LIMIT
+    assert measured["grew_kib"] < 8 << 10, measured  # of 100 MB of output the evaluator reads a 64 KiB tail
+
+
+def test_no_network(in_bwrap: None) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        program = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2).close()\n"
+                   "except OSError:\n    pass\nelse:\n    raise SystemExit('connected')\n")
+        result = run_sandboxed(program, timeout=10.0)
+    assert result.passed, result.status
+
+
+def test_nothing_outside_its_folder_can_be_written(in_bwrap: None, tmp_path: Path) -> None:
+    name = f"darts-sandbox-probe-{secrets.token_hex(8)}.txt"
+    targets = [Path(sysconfig.get_paths()["purelib"]) / name, tmp_path / name]
+    program = (f"for path in {[str(t) for t in targets]!r}:\n    try:\n        open(path, 'w').write('x')\n"
+               "    except OSError:\n        pass\n    else:\n        raise SystemExit(f'wrote {path}')\n"
+               "open('mine.txt', 'w').write('x')\n")  # its own folder is writable
+    try:
+        result = run_sandboxed(program, timeout=10.0)
+        assert result.passed, result.status
+        assert not any(target.exists() for target in targets)
+    finally:
+        for target in targets:
+            target.unlink(missing_ok=True)
+
+
+def test_nothing_outside_its_folder_can_be_read(in_bwrap: None, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("darts-sandbox-secret")
+    # Nor the environment its parent was started with (the evaluator's: tokens, cluster addresses).
+    program = (f"import os\nfor path in [{str(secret)!r}, f'/proc/{{os.getppid()}}/environ']:\n    try:\n"
+               "        data = open(path, 'rb').read()\n    except OSError:\n        continue\n"
+               "    assert b'darts-sandbox-secret' not in data and b'PATH=' not in data, path\n")
+    result = run_sandboxed(program, timeout=10.0)
+    assert result.passed, result.status
+
+
+def test_without_bwrap_it_falls_back_to_limits_and_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
+    sandbox_kind.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=sandbox.__name__):
+            passed = run_sandboxed("assert sum([1, 2]) == 3\n", timeout=10.0)
+            failed = run_sandboxed("assert sum([1, 2]) == 4\n", timeout=10.0)
+            looping = run_sandboxed("while True:\n    pass\n", timeout=1.0)
+    finally:
+        sandbox_kind.cache_clear()
+    assert (passed.passed, passed.sandbox) == (True, RLIMITS)
+    assert failed.status == "failed: AssertionError" and looping.status == "timed out"
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "without a sandbox" in warnings[0] and "bubblewrap" in warnings[0]
