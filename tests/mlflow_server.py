@@ -6,12 +6,10 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from serving import free_port
+from serving import free_port, wait_until_up
 
 __all__ = ["free_port", "mlflow_server", "stop"]
 REPO = Path(__file__).resolve().parents[1]
@@ -27,17 +25,7 @@ def mlflow_server(data: Path, port: int) -> Iterator[subprocess.Popen]:
     process = subprocess.Popen(["bash", str(REPO / "mlflow" / "server.sh")], env=env, stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, (data / "server.log").read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "mlflow server did not come up in 120 s"
-            time.sleep(0.3)
+        wait_until_up(process, f"http://127.0.0.1:{port}/health", data / "server.log", 120)
         yield process
     finally:
         stop(process)

@@ -36,23 +36,28 @@ def serve_process(args: list[str], cwd: Path, port: int, env: dict[str, str] | N
         process = subprocess.Popen([sys.executable, "-m", "darts_dist.cli", "serve", *args, "--port", str(port)],
                                    cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert process.poll() is None, log_path.read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"the server did not come up in {timeout_s:.0f} s:\n" + \
-                log_path.read_text()[-4000:]
-            time.sleep(0.5)
+        wait_until_up(process, f"http://127.0.0.1:{port}/healthz", log_path, timeout_s)
         yield process
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def wait_until_up(process: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
+    """Return once `url` answers 200; fail (with the log's tail) if `process` exits or `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, log_path.read_text()[-4000:]
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer in {timeout_s:.0f} s:\n" + \
+            log_path.read_text()[-4000:]
+        time.sleep(0.3)
 
 
 def started_processes(process: subprocess.Popen) -> list[psutil.Process]:
