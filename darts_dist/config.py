@@ -290,7 +290,7 @@ class ServeSection(_Section):
     autoscaling_config: dict[str, Any] | None = None
     max_ongoing_requests: PositiveInt = 32
     # Requests beyond max_ongoing_requests wait in Serve's queue, up to this many per deployment; past it Serve
-    # answers 503 with Retry-After (-1: no bound).
+    # answers 429 with Retry-After (-1: no bound).
     max_queued_requests: int = Field(default=64, ge=-1)
     max_tokens_limit: PositiveInt = 512
     # One request's list of prompts (/v1/completions); a longer list gets 400 before any of it is tokenised.
@@ -331,6 +331,16 @@ class ServeSection(_Section):
     # How long an old replica (a rolling update, a shutdown) may take to finish its requests before it stops.
     drain_timeout_s: float = Field(default=60.0, gt=0.0)
     capture: CaptureSection = CaptureSection()
+
+    @model_validator(mode="after")
+    def _bounds_fit(self) -> ServeSection:
+        if self.max_queued_requests == 0:
+            raise ValueError("serve.max_queued_requests is 0, which Ray Serve refuses: give -1 (no bound) or a count")
+        if self.max_waiting_sequences < 2 * self.max_prompts_per_request:
+            raise ValueError(f"serve.max_waiting_sequences ({self.max_waiting_sequences}) is below twice "
+                             f"serve.max_prompts_per_request ({self.max_prompts_per_request}): a request of the "
+                             "largest accepted size would be refused (429) even by an idle server")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -17,11 +17,18 @@ from pathlib import Path
 from darts_dist.config import RunConfig, updated
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_file
-from darts_dist.serve.capture import read_traffic
+from darts_dist.serve.capture import CapturedPrompt, read_traffic
 from darts_dist.sources.data import traffic_count
 from darts_dist.tracking.registry import registered_model_name
 
 TRAFFIC_FOLDER = "traffic"  # in the recalibration's run folder: one JSONL of captured prompts per task
+
+
+def traffic_row(prompt: CapturedPrompt) -> dict:
+    """A captured prompt as calibration reads it (`sources.data.traffic_rows`): its text, whether it is a chat, and a
+    chat's messages where the capture kept them."""
+    row = {"prompt": prompt.prompt, "chat": prompt.chat}
+    return row if prompt.messages is None else {**row, "messages": prompt.messages}
 
 
 def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = None) -> tuple[RunConfig, dict]:
@@ -47,7 +54,7 @@ def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = Non
         if prompts:
             path = folder / f"{expert.task}.jsonl"
             with atomic_file(path) as tmp:
-                tmp.write_text("".join(json.dumps({"prompt": p.prompt, "chat": p.chat}) + "\n" for p in prompts))
+                tmp.write_text("".join(json.dumps(traffic_row(p)) + "\n" for p in prompts))
             expert = updated(expert, data=updated(expert.data, traffic=str(path)))
         experts.append(expert)
     recalibration = updated(

@@ -16,6 +16,7 @@ from darts_dist.generation import (
     ContinuousBatcher,
     CorrectedLM,
     EngineBusy,
+    EngineStopped,
     EngineThread,
     Finished,
     Sampling,
@@ -251,6 +252,8 @@ def test_the_engine_thread_serves_submissions_from_other_threads(lm: CorrectedLM
         assert engine.stats().running == 0
     finally:
         engine.close()
+    with pytest.raises(EngineStopped):  # nothing would ever answer it
+        engine.submit([SequenceRequest(tuple(lm.encode(MORE[0])), None, greedy(2))], [Collect()])
 
 
 def test_top_p_keeps_the_smallest_set_of_tokens_reaching_the_mass() -> None:
@@ -259,6 +262,18 @@ def test_top_p_keeps_the_smallest_set_of_tokens_reaching_the_mass() -> None:
     # 0.5 alone is short of 0.7; 0.5 + 0.25 reaches it: the two kept, the rest zero.
     assert torch.allclose(kept, torch.tensor([0.0, 0.5, 0.0, 0.25]))
     assert torch.allclose(top_p_probabilities(logits, 2.0, 1.0), torch.softmax(logits / 2.0, -1))
+
+
+def test_a_vanishing_temperature_is_greedy_not_a_failure_of_the_batch(lm: CorrectedLM) -> None:
+    """5e-324 passes the API's temperature ≥ 0: logits / T overflowed to inf, the draw raised, and every sequence
+    of the running batch failed with it."""
+    batcher = ContinuousBatcher(lm, max_batch_size=4)
+    tiny, other = Collect(), Collect()
+    batcher.add(SequenceRequest(tuple(lm.encode(MORE[0])), "code", Sampling(6, temperature=5e-324, seed=1)), tiny)
+    batcher.add(SequenceRequest(tuple(lm.encode(MORE[1])), "math", Sampling(6, temperature=0.8, seed=2)), other)
+    batcher.run_until_idle()
+    assert tiny.finished.completion == lm.generate([MORE[0]], ["code"], max_new_tokens=6)[0]  # the greedy text
+    assert other.finished is not None
 
 
 @pytest.mark.parametrize("layers", [["final"], [1, "final"]])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from darts_dist.config import ServeSection
 from darts_dist.errors import DartsError
 from darts_dist.serve.access import API_KEY_ENV, resolve_api_key, warn_if_exposed
 from darts_dist.serve.openai_api import ApiError, ChatRequest, CompletionRequest, internal_error, parse
@@ -34,6 +35,9 @@ def test_deep_nesting_and_lone_surrogates_are_a_400_not_a_crash() -> None:
     assert "surrogate" in refused(CompletionRequest, b'{"model": "m", "prompt": "a\\ud800b"}').message
     chat = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "\\udfff"}]}'
     assert "surrogate" in refused(ChatRequest, chat).message
+    # A number past Python's digit limit (a ValueError of its own).
+    assert "not valid JSON" in refused(CompletionRequest, b'{"model": "m", "prompt": "a", "seed": ' + b"9" * 5000 +
+                                       b"}").message
     # A valid pair is a character like any other.
     assert parse(CompletionRequest, b'{"model": "m", "prompt": "\\ud83d\\ude00"}').prompt == "\U0001F600"
 
@@ -84,14 +88,11 @@ def test_special_token_text_from_users_is_text_and_the_templates_markers_stay_sp
     rendered, ids = encode_user_chat(tokenizer, messages)
     assert rendered == chat_prompt(tokenizer, messages)
     whole = encode_prompt(tokenizer, rendered, rendered=True)  # what the server did before: the user opens turns
-    # The template's own markers are the only special tokens: as many as a conversation without the hostile text has.
+    # The template's own markers are the only special tokens: those of a conversation without the hostile text.
     plain = encode_prompt(tokenizer, chat_prompt(tokenizer, [messages[0], {"role": "user", "content": "hello hi"}]),
                           rendered=True)
-    assert sum(i in specials for i in ids) == sum(i in specials for i in plain)
+    assert [i for i in ids if i in specials] == [i for i in plain if i in specials]
     assert sum(i in specials for i in whole) > sum(i in specials for i in ids)
-    # The user's text, tokenised on its own as text, sits whole inside.
-    content = tokenizer(HOSTILE, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    assert any(ids[i:i + len(content)] == content for i in range(len(ids)))
     assert tokenizer.decode(ids) == rendered  # nothing lost or added
     # A conversation without such text is tokenised exactly as before (and as calibration's chats are).
     assert encode_user_chat(tokenizer, messages[:1] + [{"role": "user", "content": "hi"}])[1] == \
@@ -136,3 +137,11 @@ def test_serving_beyond_loopback_without_a_key_warns(caplog: pytest.LogCaptureFi
         assert not caplog.records
         warn_if_exposed("0.0.0.0", None)
     assert "without an API key" in caplog.text
+
+
+def test_serve_bounds_that_would_refuse_every_large_request_are_refused_at_validation() -> None:
+    with pytest.raises(ValueError, match="idle server"):
+        ServeSection(max_waiting_sequences=20, max_prompts_per_request=16)
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        ServeSection(max_queued_requests=0)
+    assert ServeSection(max_waiting_sequences=32, max_prompts_per_request=16).max_waiting_sequences == 32

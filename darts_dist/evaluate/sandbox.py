@@ -41,6 +41,7 @@ class SandboxResult:
 SANDBOX_MEMORY = 2 << 30
 SANDBOX_FILE_SIZE = 16 << 20
 SANDBOX_PROCESSES = 64
+SANDBOX_TMP_SIZE = 64 << 20  # bytes of its /tmp (memory, under bwrap)
 OUTPUT_TAIL = 64 << 10  # bytes of each output read back: the pass marker and stderr's last line are at its end
 KILL_WAIT = 5.0  # seconds a killed sandbox gets to be gone
 NOBODY = 65534
@@ -114,14 +115,30 @@ def _bwrap_options(bwrap: str, work: Path) -> list[str]:
     else:
         namespaces = ["--unshare-all", "--unshare-user"]
     return [bwrap, *namespaces, "--die-with-parent", "--new-session", "--clearenv", "--dev", "/dev",
-            "--proc", "/proc", "--tmpfs", "/tmp", *_read_only_view(), "--bind", str(work), SANDBOX_DIR,
+            "--proc", "/proc", "--size", str(SANDBOX_TMP_SIZE), "--tmpfs", "/tmp", *_read_only_view(), "--bind", str(work), SANDBOX_DIR,
             "--chdir", SANDBOX_DIR, "--"]
+
+
+def _user_tasks() -> int:
+    """The processes and threads this user runs now: what RLIMIT_NPROC counts outside a user namespace."""
+    uid, count = str(os.getuid()), 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                status = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines()
+                              if line.startswith(("Uid:", "Threads:")))
+                if status["Uid"].split()[0] == uid:
+                    count += int(status["Threads"])
+    return count
 
 
 def _command(bwrap: str | None, work: Path, timeout: float) -> list[str]:
     """The command that runs `work`/check.py: in bwrap's sandbox, or with `bwrap` None under the limits alone."""
     as_nobody = bwrap is not None and os.geteuid() == 0
-    limits = [int(timeout) + 1, SANDBOX_MEMORY, SANDBOX_FILE_SIZE, SANDBOX_PROCESSES, NOBODY if as_nobody else -1]
+    # Without a user namespace the process cap counts every process and thread of the user (Ray's, torch's):
+    # the program gets SANDBOX_PROCESSES beyond those.
+    processes = SANDBOX_PROCESSES + (_user_tasks() if bwrap is None else 0)
+    limits = [int(timeout) + 1, SANDBOX_MEMORY, SANDBOX_FILE_SIZE, processes, NOBODY if as_nobody else -1]
     python = [_interpreter(), "-I", "-B", "-c", _LAUNCHER, *map(str, limits), "check.py"]
     if bwrap is None:
         return python

@@ -264,6 +264,7 @@ class ContinuousBatcher:
                          new_generator(sampling.seed, self.device), text)
 
     def waiting_count(self) -> int:
+        """Sequences waiting; call it holding the lock (or on the engine's thread alone)."""
         return sum(len(queue) for queue in self.waiting.values())
 
     def cancel(self, ticket: Ticket) -> None:
@@ -274,7 +275,9 @@ class ContinuousBatcher:
         return bool(self.running or self.waiting)
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.waiting_count(), len(self.running), self.generated_tokens, self.prompt_tokens,
+        with self._lock:  # other threads ask (metrics, the event loop) while the engine's thread changes the queue
+            waiting = self.waiting_count()
+        return EngineStats(waiting, len(self.running), self.generated_tokens, self.prompt_tokens,
                            self.cached_prompt_tokens, self.preempted)
 
     @torch.inference_mode()
@@ -485,8 +488,10 @@ class EngineThread:
         self._thread.start()
 
     def submit(self, requests: Sequence[SequenceRequest], listeners: Sequence[Listener]) -> list[Ticket]:
-        tickets = self.batcher.add_group(requests, listeners)
         with self._wake:
+            if self._closed:  # nothing would ever answer it
+                raise EngineStopped("the generation engine stopped", "send the request again")
+            tickets = self.batcher.add_group(requests, listeners)
             self._wake.notify()
         return tickets
 

@@ -12,6 +12,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+# Below this a temperature is greedy decoding: its distribution is the argmax up to rounding, and dividing the
+# logits by it would overflow to inf (then NaN), failing the draw of every sequence in the batch.
+GREEDY_BELOW = 1e-4
+
 
 def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
     """A sequence's generator: seeded by its request, else from fresh entropy."""
@@ -36,11 +40,11 @@ def top_p_probabilities(logits: Tensor, temperature: float, top_p: float) -> Ten
 def next_tokens(
     logits: Tensor, temperatures: Sequence[float], top_ps: Sequence[float], generators: Sequence[torch.Generator]
 ) -> list[int]:
-    """[B, V] last-position logits -> one token per row: the argmax where the temperature is 0, else a draw
-    from the row's nucleus with the row's generator."""
+    """[B, V] last-position logits -> one token per row: the argmax where the temperature is 0 (below
+    GREEDY_BELOW), else a draw from the row's nucleus with the row's generator."""
     tokens = logits.argmax(-1)
     for row, (temperature, top_p, generator) in enumerate(zip(temperatures, top_ps, generators)):
-        if temperature > 0:
+        if temperature >= GREEDY_BELOW:
             probs = top_p_probabilities(logits[row], temperature, top_p)
             tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
     return tokens.tolist()

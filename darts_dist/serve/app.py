@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import metrics
-from ray.serve.config import AutoscalingConfig
+from ray.serve.config import AutoscalingConfig, BackpressureConfig
 from ray.serve.deployment import Application
 from ray.serve.exceptions import RayServeException
 from starlette.exceptions import HTTPException
@@ -100,14 +100,21 @@ class EngineMetrics:
     def _report(self) -> None:
         reported, then = 0, time.monotonic()
         while not self._stop.wait(METRICS_INTERVAL_S):
-            stats, now = self.engine.stats(), time.monotonic()
-            self.waiting.set(stats.waiting)
-            self.running.set(stats.running)
-            if stats.generated_tokens > reported:
-                self.tokens.inc(stats.generated_tokens - reported)
-            self.rate.set((stats.generated_tokens - reported) / (now - then))
-            self.cached.set(stats.cached_prompt_tokens / max(1, stats.prompt_tokens))
-            reported, then = stats.generated_tokens, now
+            try:
+                reported, then = self._export(reported, then)
+            except Exception:  # noqa: BLE001 - one failed reading must not end the replica's metrics
+                logger.exception("engine metrics: a reading failed")
+
+    def _export(self, reported: int, then: float) -> tuple[int, float]:
+        """Set the metrics from the engine's stats; the tokens reported so far and when, for the next reading."""
+        stats, now = self.engine.stats(), time.monotonic()
+        self.waiting.set(stats.waiting)
+        self.running.set(stats.running)
+        if stats.generated_tokens > reported:
+            self.tokens.inc(stats.generated_tokens - reported)
+        self.rate.set((stats.generated_tokens - reported) / (now - then))
+        self.cached.set(stats.cached_prompt_tokens / max(1, stats.prompt_tokens))
+        return stats.generated_tokens, now
 
     def close(self) -> None:
         self._stop.set()
@@ -310,7 +317,8 @@ class DartsServer:
         def keep(index: int, completion: Completion) -> None:  # a finished sequence's prompt, when capturing
             if self.capture is not None:
                 self.capture.record(CapturedPrompt(prompts[index], completion.task, task == ROUTED, chat,
-                                                   self.version, time.time()))
+                                                   self.version, time.time(),
+                                                   body.conversation if chat else None))
 
         if body.stream:
             return StreamingResponse(self.stream(rid, body, requests, chat, keep), media_type="text/event-stream")
@@ -368,6 +376,9 @@ class DartsServer:
                 tickets = self.engine.submit(requests, [listener(i) for i in range(len(requests))])
             except EngineBusy:
                 raise self.busy() from None
+            except EngineStopped as error:
+                raise ApiError(503, str(error), code="service_unavailable",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             except DartsError as error:
                 raise ApiError(400, str(error)) from None
             running = len(requests)
@@ -393,6 +404,8 @@ def build_app(source: ModelSource, settings: ServeSection, api_key: str | None =
     options: dict[str, Any] = {
         "max_ongoing_requests": settings.max_ongoing_requests,
         "max_queued_requests": settings.max_queued_requests,
+        # Serve's own refusal past max_queued_requests: a 429 with Retry-After, like the replicas' own.
+        "backpressure_config": BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
         "ray_actor_options": {"num_cpus": settings.num_cpus, "num_gpus": 1 if settings.use_gpu else 0},
         # A rolling update (a new version, `serve.follow_alias`) starts new replicas before it stops old ones,
         # and lets an old one finish its requests, streams too, for up to drain_timeout_s.

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -29,12 +30,14 @@ from darts_dist.errors import DartsError
 logger = logging.getLogger(__name__)
 SEGMENT_GLOB = "capture-*.jsonl"
 NO_TASK = "none"  # the segments of prompts no correction applied to
+OTHER = "*"  # segments not named by this version: no task can be called this
 
 
 @dataclass(frozen=True)
 class CapturedPrompt:
     """One served prompt. `task`: the correction that applied (None: none); `routed`: the router chose it;
-    `chat`: the prompt is a rendered chat, holding its special tokens already."""
+    `chat`: the prompt is a rendered chat, holding its special tokens already; `messages`: a chat's messages, so
+    that recalibration tokenises them as the server did (special-token text in them as text)."""
 
     prompt: str
     task: str | None
@@ -42,6 +45,7 @@ class CapturedPrompt:
     chat: bool
     model_version: str | None
     time: float
+    messages: list[dict[str, str]] | None = None
 
 
 def segments(folder: Path) -> list[Path]:
@@ -49,9 +53,14 @@ def segments(folder: Path) -> list[Path]:
     return sorted(folder.glob(SEGMENT_GLOB))
 
 
+_SEGMENT_NAME = re.compile(r"capture-\d{13}-(?P<task>[A-Za-z0-9_-]+)-[0-9a-f]{8}-\d{6}")
+
+
 def segment_task(path: Path) -> str:
-    """The task a segment holds (capture-<ms>-<task>-<writer>-<n>.jsonl; a task name may hold '-')."""
-    return path.stem.split("-", 2)[2].rsplit("-", 2)[0]
+    """The task a segment holds (capture-<ms>-<task>-<writer>-<n>.jsonl; a task name may hold '-'); segments of
+    other names (an older darts-dist's, capture-<ms>-<writer>-<n>.jsonl) share one share, as OTHER."""
+    found = _SEGMENT_NAME.fullmatch(path.stem)
+    return OTHER if found is None else found["task"]
 
 
 class TrafficCapture:

@@ -159,7 +159,7 @@ def parse(kind: type[_GenerationRequest], raw: bytes) -> _GenerationRequest:
     """A request body, validated; bad JSON or bad fields become a 400 saying which field and why (the first few)."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except ValueError as error:  # bad JSON or UTF-8, and numbers past Python's digit limit
         raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None

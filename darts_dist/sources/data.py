@@ -22,7 +22,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import datasets
 from datasets.exceptions import DatasetGenerationError
@@ -30,7 +30,10 @@ from datasets.exceptions import DatasetGenerationError
 from darts_dist.config import CalibrationSection
 from darts_dist.core import TokenizedSet
 from darts_dist.errors import DartsError
-from darts_dist.sources.models import encode_prompt, pad_id
+from darts_dist.sources.models import encode_prompt, encode_user_chat, encode_user_prompt, pad_id
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 Format = Literal["text", "chat", "prompt_response"]
@@ -83,12 +86,22 @@ def tokenized(
     if split == "calibration" and files.traffic is not None:
         captured = traffic_rows(files.traffic)
         used = captured[len(captured) - traffic_count(settings, len(captured)):]
-        traffic = [encode_prompt(tokenizer, row["prompt"], rendered=row["chat"]) for row in used]  # as served
+        traffic = [served_ids(tokenizer, row) for row in used]
         logger.info("calibrate: task %r takes %d of its %d samples from the %d prompts captured in %s", task,
                     len(traffic), settings.num_samples, len(captured), files.traffic)
     rows = split_rows(files, split, settings, limit=settings.num_samples - len(traffic))
     return tokenize_rows(rows, tokenizer, task, max_length=settings.max_length, fmt=files.format,
                          text_field=files.text_field, traffic=traffic)
+
+
+def served_ids(tokenizer: PreTrainedTokenizerBase, row: dict) -> list[int]:
+    """A captured prompt's tokens as the server read them: special-token text from users is text. A chat captured
+    before its messages were kept is its rendered text, markers and all."""
+    if row.get("messages") is not None:
+        return encode_user_chat(tokenizer, row["messages"])[1]
+    if row["chat"]:
+        return encode_prompt(tokenizer, row["prompt"], rendered=True)
+    return encode_user_prompt(tokenizer, row["prompt"])
 
 
 def traffic_count(settings: CalibrationSection, captured: int) -> int:
@@ -97,14 +110,16 @@ def traffic_count(settings: CalibrationSection, captured: int) -> int:
 
 
 def traffic_rows(path: Path) -> list[dict]:
-    """A task's captured prompts, oldest first: a JSONL of {"prompt": text, "chat": bool} rows, as
-    `darts-dist recalibrate` writes them (resolve_sources has checked the file exists)."""
+    """A task's captured prompts, oldest first: a JSONL of {"prompt": text, "chat": bool} rows (a chat's with its
+    "messages"), as `darts-dist recalibrate` writes them (resolve_sources has checked the file exists)."""
     rows = []
     for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         try:
             row = json.loads(line)
             if not isinstance(row["prompt"], str) or not isinstance(row["chat"], bool):
                 raise TypeError("prompt must be a string and chat a boolean")
+            if not isinstance(row.get("messages", []), list):
+                raise TypeError("messages, where given, must be a list of {role, content}")
         except (ValueError, TypeError, KeyError) as error:
             raise DartsError(f"traffic file {path}, line {number}, is not a {{prompt, chat}} row: {error!r}",
                              "write it with `darts-dist recalibrate --from-traffic`") from None

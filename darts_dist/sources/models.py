@@ -319,25 +319,16 @@ def encode_user_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[
 
 def encode_user_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> tuple[str, list[int]]:
     """A user's conversation, rendered and tokenised: the chat template's markers are special tokens, a special
-    token's text inside a message is text.
-
-    A conversation without such text is tokenised whole, exactly as calibration's chats are. Otherwise the template
-    is rendered around placeholders, and its pieces and the messages are tokenised apart (the messages as in
-    `encode_user_prompt`); a template that edits message content (strips it, say) sees the placeholders instead.
-    """
+    token's text inside a message is text (transformers' `sanitize_control_tokens`). A conversation without such
+    text is tokenised exactly as calibration's chats are."""
     rendered = chat_prompt(tokenizer, messages)
-    specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-    if not any(marker in m["content"] for m in messages for marker in specials):
-        return rendered, encode_prompt(tokenizer, rendered, rendered=True)
-    holes = [f"\x00{index}\x00" for index in range(len(messages))]
-    shape = chat_prompt(tokenizer, [{**m, "content": hole} for m, hole in zip(messages, holes)])
-    ids: list[int] = []
-    for message, hole in zip(messages, holes):
-        before, _, shape = shape.partition(hole)
-        ids += encode_prompt(tokenizer, before, rendered=True)
-        ids += tokenizer(message["content"], add_special_tokens=False, split_special_tokens=True,
-                         verbose=False)["input_ids"]
-    return rendered, ids + encode_prompt(tokenizer, shape, rendered=True)
+    try:
+        encoded = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True,
+                                                sanitize_control_tokens=True)
+    except jinja2.TemplateError as error:
+        raise DartsError(f"this model's chat template refuses the conversation: {error}",
+                         "send the roles in the order the model's chat template expects") from None
+    return rendered, list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
 
 
 def resolve_device(device: str) -> torch.device:
