@@ -22,6 +22,7 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        tmp.chmod(0o777 & ~umask())  # what mkdir would have given it: mkdtemp makes it private
         if final.exists():
             if not overwrite:
                 raise FileExistsError(f"{final} appeared while it was being written")
@@ -46,10 +47,21 @@ def atomic_file(final: Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        tmp.chmod(0o666 & ~umask())  # what open() would have given it: mkstemp makes it private
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (setting it is process-wide)."""
+    with contextlib.suppress(OSError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def cache_root() -> Path:
