@@ -276,6 +276,10 @@ class DartsServer:
                         f"now; retry after {RETRY_AFTER_S} s, or send fewer prompts per request",
                         code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    @staticmethod
+    def stopping(error: EngineStopped) -> ApiError:
+        return ApiError(503, str(error), code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
     def task(self, model_id: str) -> str | None:
         if model_id not in self.ids:
             raise ApiError(404, f"the model {model_id!r} does not exist; this server has {list(self.ids)}",
@@ -377,16 +381,14 @@ class DartsServer:
             except EngineBusy:
                 raise self.busy() from None
             except EngineStopped as error:
-                raise ApiError(503, str(error), code="service_unavailable",
-                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                raise self.stopping(error) from None
             except DartsError as error:
                 raise ApiError(400, str(error)) from None
             running = len(requests)
             while running:
                 index, event = await queue.get()
                 if isinstance(event, EngineStopped):  # the replica is stopping
-                    raise ApiError(503, str(event), code="service_unavailable",
-                                   headers={"Retry-After": str(RETRY_AFTER_S)})
+                    raise self.stopping(event)
                 if isinstance(event, Exception):  # its forward failed; the replica lives on
                     raise internal_error(logger, f"request {rid} failed", event)
                 running -= isinstance(event, Finished)

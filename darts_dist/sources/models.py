@@ -21,6 +21,7 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import torch
@@ -302,10 +303,15 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, rendered: boo
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> str:
     """A conversation rendered with the tokenizer's chat template, ending where the assistant replies."""
+    return _apply_chat_template(tokenizer, messages, tokenize=False)
+
+
+def _apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], **options: Any) -> Any:
+    """The tokenizer's chat template up to the assistant's turn; a template's own refusal is a DartsError."""
     if tokenizer.chat_template is None:
         raise DartsError("this model's tokenizer has no chat template", "send plain prompts instead of messages")
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **options)
     except jinja2.TemplateError as error:  # the template's own checks, e.g. Llama-2's alternating roles
         raise DartsError(f"this model's chat template refuses the conversation: {error}",
                          "send the roles in the order the model's chat template expects") from None
@@ -322,12 +328,7 @@ def encode_user_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict
     token's text inside a message is text (transformers' `sanitize_control_tokens`). A conversation without such
     text is tokenised exactly as calibration's chats are."""
     rendered = chat_prompt(tokenizer, messages)
-    try:
-        encoded = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True,
-                                                sanitize_control_tokens=True)
-    except jinja2.TemplateError as error:
-        raise DartsError(f"this model's chat template refuses the conversation: {error}",
-                         "send the roles in the order the model's chat template expects") from None
+    encoded = _apply_chat_template(tokenizer, messages, tokenize=True, sanitize_control_tokens=True)
     return rendered, list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
 
 
