@@ -315,10 +315,11 @@ def cli_markdown() -> str:
         out += [_argument_line(action) for action in arguments] if arguments else ["No arguments."]
     out += ["", "## `darts-dist-lm-eval`", "",
             "lm-evaluation-harness's own command line (every flag is lm-eval's) with the `darts-dist` model "
-            "registered and the `darts_demo` tasks on its task path; installed with `pip install -e '.[lm-eval]'`. "
+            "registered and the `darts_demo` tasks on its task path (they need `--apply_chat_template`); installed "
+            "with `pip install -e '.[lm-eval]'`. "
             "See [the method page](../method.md#lm-evaluation-harness).", "", "```",
             "darts-dist-lm-eval --model darts-dist --model_args run=RUN_DIR,task=TASK --tasks darts_demo_math "
-            "[lm_eval's flags]", "```"]
+            "--apply_chat_template [lm_eval's flags]", "```"]
     return "\n".join(out).rstrip() + "\n"
 
 

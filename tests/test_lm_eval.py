@@ -1,6 +1,8 @@
-"""lm-eval integration: `--model darts-dist` on the darts_demo tasks gives `darts-dist evaluate`'s prompts, completions
-and score, under a task's correction, the router's or none; likelihoods are the corrected model's; bad model_args
-stop with a DartsError that names the fix."""
+"""lm-eval integration: `--model darts-dist` is lm-eval's `hf` model under darts-dist's correction. With
+`task=merged` it answers every request as `--model hf` on the merged folder does, raw or chat-templated; under a
+task its likelihoods are `CorrectedLM`'s; on the darts_demo tasks (with --apply_chat_template) it gives `darts-dist
+evaluate`'s completions and score, under a task's correction, the router's or none; bad model_args stop with a
+DartsError that names the fix."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from test_generation import TASKS, strong_corrections
 
@@ -51,69 +54,133 @@ def run_dir(tiny_family, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-# One sequence CorrectedLM.generate_ids generated, as the model saw it: prompt token ids, task, max_new_tokens,
-# and its text (lm-eval asks one batch at a time, darts-dist all problems at once: the sequences must agree).
-Call = tuple[list[int], str | None, int, str]
+def lm_eval_math(run_dir: Path, task: str) -> tuple[float, list[str]]:
+    """darts_demo_math's acc from lm-eval (chat-templated, as the demo tasks need) with `task=` as the correction,
+    and its completions, problem by problem."""
+    results = simple_evaluate(
+        model="darts-dist", model_args={"run": str(run_dir), "task": task, "device": "cpu"},
+        tasks=["darts_demo_math"], limit=LIMIT, batch_size=1, gen_kwargs={"max_gen_toks": MAX_NEW_TOKENS},
+        apply_chat_template=True, log_samples=True,
+        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
+    )
+    samples = sorted(results["samples"]["darts_demo_math"], key=lambda sample: sample["doc_id"])
+    return results["results"]["darts_demo_math"]["acc,none"], [sample["resps"][0][0] for sample in samples]
 
 
-@pytest.fixture
-def generated(monkeypatch: pytest.MonkeyPatch) -> list[Call]:
-    """Every generation of the test, recorded: lm-eval's and darts-dist's both end in CorrectedLM.generate_ids."""
-    calls: list[Call] = []
+def darts_math(lm: CorrectedLM, task: str | None, monkeypatch: pytest.MonkeyPatch) -> tuple[float, list[str]]:
+    """The same from darts-dist's own scoring of the first LIMIT held-out math problems."""
+    texts: list[str] = []
     generate_ids = CorrectedLM.generate_ids
 
     def recorded(self: CorrectedLM, encoded, tasks=None, **options):
         done = generate_ids(self, encoded, tasks, **options)
-        calls.extend((list(ids), task, options["max_new_tokens"], c.text) for ids, task, c in zip(encoded, tasks, done))
+        texts.extend(completion.text for completion in done)
         return done
 
     monkeypatch.setattr(CorrectedLM, "generate_ids", recorded)
-    return calls
-
-
-def lm_eval_math(run_dir: Path, task: str, generated: list[Call]) -> tuple[float, list[Call]]:
-    """darts_demo_math's acc from lm-eval with `task=` as the correction, and its generations (taken from
-    `generated`), after checking that lm-eval's samples hold their texts."""
-    results = simple_evaluate(
-        model="darts-dist", model_args={"run": str(run_dir), "task": task, "device": "cpu"},
-        tasks=["darts_demo_math"], limit=LIMIT, batch_size=1, gen_kwargs={"max_gen_toks": MAX_NEW_TOKENS},
-        log_samples=True, task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
-    )
-    samples = sorted(results["samples"]["darts_demo_math"], key=lambda sample: sample["doc_id"])
-    calls = generated[:]
-    generated.clear()
-    assert [sample["resps"][0][0] for sample in samples] == [call[3] for call in calls]
-    return results["results"]["darts_demo_math"]["acc,none"], calls
-
-
-def darts_math(lm: CorrectedLM, task: str | None, generated: list[Call]) -> tuple[float, list[Call]]:
-    """The same from darts-dist's own scoring of the first LIMIT held-out math problems."""
     scorer = SCORERS[DEMO_SCORERS["math"]]
     problems = scorer.problems(demo_data()["math"]["heldout"], LIMIT)
     settings = EvaluationSection(score_limit=LIMIT, generation_batch_size=1, max_new_tokens=MAX_NEW_TOKENS)
     passes = problem_passes(lm, task, problems, scorer, settings)
-    calls = generated[:]
-    generated.clear()
-    return sum(passes) / len(passes), calls
+    monkeypatch.undo()
+    return sum(passes) / len(passes), texts
 
 
-def test_a_task_scores_and_answers_as_darts_dist_evaluate(run_dir: Path, generated: list[Call]) -> None:
-    scored = lm_eval_math(run_dir, "math", generated)
+def test_a_task_scores_and_answers_as_darts_dist_evaluate(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scored = lm_eval_math(run_dir, "math")
     with CorrectedLM.load(run_dir / "merged", run_dir / "corrections.safetensors") as lm:
-        # The same score from the same prompt tokens, task, length and completions, problem by problem.
-        assert scored == darts_math(lm, "math", generated)
+        # The same score from the same completions, problem by problem.
+        assert scored == darts_math(lm, "math", monkeypatch)
         # Not a comparison of empty strings: the completions have text, and the correction is in it.
-        texts = [call[3] for call in scored[1]]
+        texts = scored[1]
         assert len(texts) == LIMIT and all(text.strip() for text in texts)
-        assert texts != [call[3] for call in darts_math(lm, None, generated)[1]]
+        assert texts != darts_math(lm, None, monkeypatch)[1]
 
 
-def test_routed_and_merged_are_the_routers_pick_and_no_correction(run_dir: Path, generated: list[Call]) -> None:
+def test_routed_and_merged_are_the_routers_pick_and_no_correction(run_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     with CorrectedLM.load(run_dir / "merged", run_dir / "corrections.safetensors",
                           router_path=run_dir / ROUTER_FILE) as lm:
-        assert lm_eval_math(run_dir, "routed", generated) == darts_math(lm, ROUTED, generated)
+        assert lm_eval_math(run_dir, "routed") == darts_math(lm, ROUTED, monkeypatch)
     with CorrectedLM.load(run_dir / "merged") as lm:
-        assert lm_eval_math(run_dir, "merged", generated) == darts_math(lm, None, generated)
+        assert lm_eval_math(run_dir, "merged") == darts_math(lm, None, monkeypatch)
+
+
+QUESTIONS = ["What is 2 + 3?", "def add(a, b):", "Ann has 4 coins and finds 3 more. How many?"]
+ANSWERS = [" It is 5.", "\n    return a + b"]
+
+
+def requests_of(contexts: list[str]) -> tuple[list[Instance], list[Instance]]:
+    """Loglikelihood requests (every context with every answer) and greedy generate_until requests."""
+    pairs = [(c, a) for c in contexts for a in ANSWERS]
+    likelihoods = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    settings = {"until": ["\n\n"], "max_gen_toks": MAX_NEW_TOKENS, "do_sample": False, "temperature": 0.0}
+    generations = [Instance("generate_until", {}, (c, dict(settings)), i) for i, c in enumerate(contexts)]
+    return likelihoods, generations
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["raw", "chat_template"])
+def test_merged_answers_as_lm_evals_hf_model_request_by_request(run_dir: Path, chat: bool) -> None:
+    ours = DartsLM(run=str(run_dir), task="merged", device="cpu", batch_size=2)
+    theirs = HFLM(pretrained=str(run_dir / "merged"), device="cpu", dtype="float32", batch_size=2)
+    # lm-eval templates each context with the model's apply_chat_template (--apply_chat_template).
+    contexts = [ours.apply_chat_template([{"role": "user", "content": q}]) if chat else q for q in QUESTIONS]
+    if chat:
+        assert contexts == [theirs.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+        assert contexts[0] != QUESTIONS[0] and ours.tokenizer_name == theirs.tokenizer_name
+    likelihoods, generations = requests_of(contexts)
+    got, want = ours.loglikelihood(likelihoods, True), theirs.loglikelihood(likelihoods, True)
+    assert [g for _, g in got] == [g for _, g in want]
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-5)
+    assert ours.generate_until(generations, True) == theirs.generate_until(generations, True)
+
+
+@pytest.mark.parametrize("task", ["math", "routed"])
+def test_likelihoods_are_the_corrected_models(run_dir: Path, task: str) -> None:
+    name = ROUTED if task == "routed" else task
+    model = DartsLM(run=str(run_dir), task=task, device="cpu", batch_size=3)
+    lm = model.lm
+    likelihoods, _ = requests_of(QUESTIONS[:2] + MATH[:1] + CODE[:1])
+    # The tokens lm-eval scores: its own split of each pair into context and continuation tokens.
+    pairs = [model._encode_pair(*request.args) for request in likelihoods]
+    expected = lm.continuation_logprobs([c for c, _ in pairs], [x for _, x in pairs], [name] * len(pairs))
+    got = model.loglikelihood(likelihoods, disable_tqdm=True)
+    assert [g for _, g in got] == [g for _, g in expected]
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], abs=1e-5)
+    if task == "routed":  # both of the router's picks among the contexts: the grouping is exercised
+        assert len(set(lm.routes([c for c, _ in pairs]))) > 1
+    # A whole text, from the prefix token on, under the same correction (routed: routed on all of the text).
+    text = "def add(a, b):\n    return a + b"
+    tokens = model.tok_encode(text)
+    expected = lm.continuation_logprobs([[model.prefix_token_id]], [tokens], [name],
+                                        route_on=[[model.prefix_token_id, *tokens]])[0][0]
+    assert model.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)],
+                                       disable_tqdm=True) == [pytest.approx(expected, abs=1e-5)]
+    lm.close()
+    if task == "math":  # the correction is in the scores
+        plain = DartsLM(run=str(run_dir), task="merged", device="cpu").loglikelihood(likelihoods[:1], True)[0][0]
+        assert abs(plain - got[0][0]) > 1e-3
+
+
+@pytest.mark.parametrize("task", ["math", "routed"])
+def test_batched_generation_is_the_corrected_models(run_dir: Path, task: str) -> None:
+    """Left-padded batches of mixed lengths answer as darts-dist's engine does, prompt by prompt: the correction's
+    positions count from each prompt's first real token."""
+    name = ROUTED if task == "routed" else task
+    model = DartsLM(run=str(run_dir), task=task, device="cpu", batch_size=len(QUESTIONS) + 1)
+    # Chat-templated under a task; raw when routed (the tiny router, fit on raw prompts, picks code for every
+    # templated one).
+    contexts = [q if task == "routed" else model.apply_chat_template([{"role": "user", "content": q}])
+                for q in QUESTIONS + CODE[:1]]
+    _, generations = requests_of(contexts)
+    encoded = [model.tok_batch_encode([context])[0][0].tolist() for context in contexts]
+    assert len({len(ids) for ids in encoded}) > 1
+    if task == "routed":  # rows of one batch under different picks
+        assert len(set(model.lm.routes(encoded))) > 1
+    expected = model.lm.generate_ids(encoded, [name] * len(encoded), max_new_tokens=MAX_NEW_TOKENS,
+                                     stop=["\n\n"], temperature=0.0)
+    assert model.generate_until(generations, True) == [completion.text for completion in expected]
+    model.lm.close()
 
 
 def test_the_yamls_generate_as_the_scorers_do() -> None:
@@ -143,33 +210,6 @@ def test_a_file_of_ones_own_is_scored_instead(tmp_path: Path) -> None:
     assert [(doc["question"], doc["answer"]) for doc in docs] == [("What is 0 + 0?", "0"), ("What is 1 + 1?", "2")]
 
 
-def test_likelihoods_are_the_corrected_models(run_dir: Path) -> None:
-    model = DartsLM(run=str(run_dir), task="math", device="cpu")
-    lm = model.lm
-    context, continuation = "What is 2 + 3?", " It is 5."
-    prompt = lm.encode_chat([{"role": "user", "content": context}])
-    answer = lm.tokenizer(continuation, add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([prompt + answer])
-    with lm.weighted(torch.tensor([[0.0, 1.0]])), torch.no_grad():
-        log_probs = lm.model(input_ids=ids).logits.float().log_softmax(-1)[0]
-    expected = sum(log_probs[len(prompt) - 1 + i, token].item() for i, token in enumerate(answer))
-    greedy = lm.chat([[{"role": "user", "content": context}]], tasks=["math"], max_new_tokens=3)[0]
-    requests = [Instance("loglikelihood", {}, (context, continuation), 0),
-                Instance("loglikelihood", {}, (context, greedy.text), 1)]
-    (logprob, is_greedy), (_, greedy_is_greedy) = model.loglikelihood(requests, disable_tqdm=True)
-    assert logprob == pytest.approx(expected, abs=1e-4)
-    assert (is_greedy, greedy_is_greedy) == (False, True)
-    # A whole text, from the BOS (or EOS) token on, under the same correction.
-    text = "def add(a, b):\n    return a + b"
-    prefix = lm.tokenizer.bos_token_id if lm.tokenizer.bos_token_id is not None else lm.tokenizer.eos_token_id
-    tokens = [prefix, *lm.tokenizer(text, add_special_tokens=False)["input_ids"]]
-    with lm.weighted(torch.tensor([[0.0, 1.0]])), torch.no_grad():
-        log_probs = lm.model(input_ids=torch.tensor([tokens])).logits.float().log_softmax(-1)[0]
-    expected = sum(log_probs[i, token].item() for i, token in enumerate(tokens[1:]))
-    assert model.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)],
-                                       disable_tqdm=True) == [pytest.approx(expected, abs=1e-4)]
-
-
 def test_bad_model_args_name_the_fix(run_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(DartsError, match="unknown task 'chemistry'") as error:
         simple_evaluate(model="darts-dist", model_args={"run": str(run_dir), "task": "chemistry", "device": "cpu"},
@@ -187,10 +227,5 @@ def test_bad_model_args_name_the_fix(run_dir: Path, tmp_path: Path) -> None:
         DartsLM(merged=str(run_dir / "merged"), corrections=str(tmp_path / "gone.safetensors"), task="math")
     with pytest.raises(DartsError, match="exactly one of run= and merged="):
         DartsLM(task="math")
-    with pytest.raises(DartsError, match="fixed batch size"):
-        DartsLM(run=str(run_dir), task="math", batch_size="auto")
-    with pytest.raises(DartsError, match="chat template itself") as error:
-        simple_evaluate(model="darts-dist", model_args={"run": str(run_dir), "task": "math", "device": "cpu"},
-                        tasks=["darts_demo_math"], limit=1, apply_chat_template=True,
-                        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
-    assert error.value.fix == "drop --apply_chat_template"
+    with pytest.raises(DartsError, match="unknown dtype 'float8'"):
+        DartsLM(run=str(run_dir), task="math", dtype="float8")

@@ -1,6 +1,7 @@
 """The demo tasks as lm-evaluation-harness tasks: `darts_demo_code`, `darts_demo_math`, `darts_demo_instruct` and
 their group `darts_demo` (the YAML files beside this one), on the problems `darts-dist evaluate` scores, checked by
-its own scorers.
+its own scorers. They are chat tasks: run them with lm-eval's `--apply_chat_template`, which puts each question
+through the model's chat template as one user turn, as `darts-dist evaluate` does.
 
 lm-eval imports the two functions below from the YAMLs (`!function`): `heldout_dataset` builds the documents from
 the task's held-out file, `process_results` scores a completion. A document carries its darts-dist `Problem` whole,
