@@ -289,6 +289,14 @@ def cmd_register(args: argparse.Namespace) -> None:
                 args.report, args.report)
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from darts_dist.export import export_model, read_source
+
+    source = read_source(args.source, tracking=args.tracking_uri)
+    out = export_model(source, args.out, fmt=args.format, task=args.task, overwrite=args.overwrite)
+    console.print(f"exported ({args.format}): {out}")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from darts_dist.serve.access import resolve_api_key
     from darts_dist.serve.app import run_foreground
@@ -432,6 +440,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--name", default=None, help="model name in the served ids (default: the registered name)")
         p.add_argument("--corrections", type=Path, default=None, help="corrections file, for a merged model folder")
         p.add_argument("--router", type=Path, default=None, help="router file, for a merged model folder")
+
+    export = command("export", "write the corrected model as a Hugging Face folder that transformers loads without "
+                     "darts-dist (--format hf), or its correction alone (--format correction)", cmd_export)
+    export.add_argument("source", metavar="SOURCE", help="a run folder, models:/NAME@ALIAS or models:/NAME/VERSION")
+    export.add_argument("--out", type=Path, required=True, help="the folder to write")
+    export.add_argument("--format", choices=("hf", "correction"), default="hf",
+                        help="hf: weights, corrections, router, code, tokenizer, model card; correction: the "
+                        "corrections and router alone (default hf)")
+    export.add_argument("--task", default=None, metavar="TASK",
+                        help="the correction applied when a call names none: a task, merged or routed "
+                        "(default routed, given a router)")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    export.add_argument("--tracking-uri", default=None, help="the registry for models:/ URIs (default: "
+                        "MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
 
     ablate = command("ablate", "the ablation table: merged, Surgery, +entropy, +position, DARTS, per merge method; "
                      "deep DARTS, learned merge coefficients (+DARTS)",

@@ -85,6 +85,14 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
     metrics = MlflowClient(report["tracking"]["uri"]).get_run(report["tracking"]["run_id"]).data.metrics
     assert metrics["eval.overall.bias_reduction"] == pytest.approx(darts["overall"]["bias_reduction"])
     assert metrics["eval.overall.nll_corrected"] == pytest.approx(darts["overall"]["nll_corrected"])
+    # The registered version leaves darts-dist as a Hugging Face folder whose card shows the run's held-out table.
+    out = tmp_path / "exported"
+    assert main(["export", "models:/darts-dist-tiny@champion", "--tracking-uri", report["tracking"]["uri"],
+                 "--out", str(out)]) == 0
+    card = (out / "README.md").read_text()
+    assert "base_model: tiny:base" in card and "- darts" in card and "merge_method: task_arithmetic" in card
+    assert f"| overall | {darts['overall']['bias_before']:.4f} |" in card
+    assert json.loads((out / "config.json").read_text())["darts"]["tasks"] == ["code", "math", "instruct"]
 
 
 @pytest.mark.parametrize("flags, expected", [

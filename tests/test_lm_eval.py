@@ -37,21 +37,24 @@ CODE = [f"def {name}(values, k={i}):" for i, name in enumerate(["scale", "shift"
 MATH = [f"Ann has {i + 3} coins and finds {i} more. How many coins does she have?" for i in range(4)]
 
 
-@pytest.fixture(scope="module")
-def run_dir(tiny_family, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run folder as `calibrate` writes one: merged/ (the tiny base stands in), strong corrections for code and
-    math, and a router fit on code vs. word-problem prompts."""
-    folder = tmp_path_factory.mktemp("lm_eval_run")
+def make_run(folder: Path, base: Path, layers: tuple = ("final",)) -> Path:
+    """A run folder as `calibrate` writes one: merged/ (`base` stands in), strong corrections for code and math at
+    `layers`, and a router fit on code vs. word-problem prompts."""
     merged_dir = folder / "merged"
-    shutil.copytree(tiny_family.base, merged_dir)
+    shutil.copytree(base, merged_dir)
     hidden_size = json.loads((merged_dir / "config.json").read_text())["hidden_size"]
-    save_corrections(folder / "corrections.safetensors", strong_corrections(hidden_size),
+    save_corrections(folder / "corrections.safetensors", strong_corrections(hidden_size, layers=layers),
                      metadata=corrections_metadata(merged_dir))
     with CorrectedLM.load(merged_dir) as plain:
         features = prompt_features(plain.model, [plain.encode(p) for p in CODE + MATH], "final", plain.pad_id)
     fit_router(features, torch.tensor([0] * len(CODE) + [1] * len(MATH)), TASKS, "final",
                threshold=0.5).save(folder / ROUTER_FILE)
     return folder
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_family, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_run(tmp_path_factory.mktemp("lm_eval_run"), tiny_family.base)
 
 
 def lm_eval_math(run_dir: Path, task: str) -> tuple[float, list[str]]:

@@ -1,6 +1,6 @@
 """The DARTS math in plain torch: correction, learned merge coefficients, loss, hooks into a causal LM, metrics, batching, router, file format."""
 
-from darts_dist.core.batching import TokenizedSet, mask_positions, pad_rows, token_batch
+from darts_dist.core.batching import TokenizedSet, pad_rows, token_batch
 from darts_dist.core.coefficients import LayerwiseMerge, TaskVectors, coefficient_table, layer_group, layer_prefix
 from darts_dist.core.correction import (
     Correction,
@@ -8,6 +8,7 @@ from darts_dist.core.correction import (
     DartsCorrections,
     LayerKey,
     expected_parameter_count,
+    mask_positions,
     one_hot_tasks,
     parse_layer,
 )

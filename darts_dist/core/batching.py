@@ -34,13 +34,6 @@ def token_batch(sequences: Sequence[Sequence[int]], pad_id: int, side: Side = "r
     return ids, mask
 
 
-def mask_positions(attention_mask: Tensor) -> Tensor:
-    """t = cumsum(mask) − 1 on real tokens, 0 on padding: each token's position counted from its row's
-    first real token, as `position_ids` are (DESIGN.md §1), so left padding does not shift it."""
-    mask = attention_mask.long()
-    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-
-
 @dataclass(frozen=True)
 class TokenizedSet:
     """One task's tokenised samples, right-padded to the longest row.

@@ -195,6 +195,13 @@ class DartsCorrections(nn.Module):
         return self.layers[key]
 
 
+def mask_positions(attention_mask: Tensor) -> Tensor:
+    """t = cumsum(mask) − 1 on real tokens, 0 on padding: each token's position counted from its row's
+    first real token, as `position_ids` are (DESIGN.md §1), so left padding does not shift it."""
+    mask = attention_mask.long()
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
 def one_hot_tasks(task_ids: Tensor, num_tasks: int) -> Tensor:
     """Per-sequence task index [B] -> task weights [B, K] fp32; −1 gives an all-zero row (no correction)."""
     ids = torch.as_tensor(task_ids, dtype=torch.long)

@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from darts_dist.core.batching import mask_positions
-from darts_dist.core.correction import DartsCorrections, one_hot_tasks, parse_layer
+from .correction import DartsCorrections, mask_positions, one_hot_tasks, parse_layer
 
 # Where Llama-style (layers, norm), GPT-2-style (h, ln_f) and OPT-style decoders keep their parts.
 _LAYER_LISTS = ("layers", "h", "blocks")

@@ -36,8 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
 from darts_dist.config import PREFIX_CACHE_TOKENS
-from darts_dist.core import token_batch
-from darts_dist.core.batching import mask_positions
+from darts_dist.core import mask_positions, token_batch
 from darts_dist.errors import DartsError
 from darts_dist.generation.kv_cache import (BatchCache, LayerKV, PrefixCache, cache_with_past, check_full_attention,
                                             left_align)

@@ -1,0 +1,247 @@
+"""A merged causal LM with its DARTS corrections (and task router) inside, for transformers alone.
+
+`darts-dist export` puts this file, configuration_darts.py, hooks.py and correction.py beside the merged
+weights; they need torch, transformers and safetensors only. `AutoModelForCausalLM.from_pretrained(DIR,
+trust_remote_code=True)` builds the base architecture's own class (LlamaForCausalLM, Qwen2ForCausalLM, …) from
+the merged weights and puts the corrections on it with hooks (`hooks.py`, the hooks darts-dist trains and serves
+with): the instance is of a subclass of that class whose forward takes one more argument, `darts_task`.
+
+`darts_task` (per call, e.g. `generate(..., darts_task="math")`, one name or one per row; else
+`config.darts_task`) names a task's correction, "merged" (none: the plain merge) or "routed" (the router picks
+each sequence's correction from its prompt, as darts-dist's routed model id does). A routed sequence is routed
+once, on the first forward of a generation (the prompt), from the merged model's uncorrected states; its decoding
+steps keep that pick. A forward without a KV cache (scoring a whole text) routes on all of its input.
+
+`DartsCorrection.from_pretrained(DIR).apply(model)` does the same to a merged model loaded by other means.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Sequence
+from functools import cache
+from inspect import Parameter, Signature, signature
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+from transformers import PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import cached_file
+
+from .configuration_darts import DartsConfig
+from .correction import CorrectionSpec, DartsCorrections, mask_positions, one_hot_tasks
+from .hooks import attach_corrections, capture_hidden, surgery_module
+
+MERGED = "merged"
+ROUTED = "routed"
+SETTINGS_FILE = "darts_correction.json"  # a correction-only folder's settings; a model folder keeps them in config.json
+HEADER_KEY = "darts_dist"  # where darts-dist's safetensors files keep their JSON header
+# Fields of the merged model the corrections record and that a model they are put on must have.
+_MODEL_FIELDS = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "vocab_size": "vocab_size"}
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+_NO_CORRECTION, _ROUTE = -1, -2
+
+
+def _read_tagged(path: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """A darts-dist safetensors file's tensors and JSON header."""
+    with safe_open(path, framework="pt") as f:
+        header = json.loads((f.metadata() or {}).get(HEADER_KEY, "null"))
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a darts-dist corrections or router file (no {HEADER_KEY!r} header)")
+    return tensors, header
+
+
+class TaskRouter:
+    """softmax(W·(h̄ − mean)/scale + b) over the tasks, h̄ a prompt's mean hidden state at `layer` (darts-dist's
+    `core.router.TaskRouter`, applied the same way: on the CPU, in fp32)."""
+
+    def __init__(self, path: str) -> None:
+        tensors, header = _read_tagged(path)
+        self.tasks: tuple[str, ...] = tuple(header["tasks"])
+        self.layer: str | int = header["layer"]
+        self.threshold: float = header["threshold"]
+        self.mean, self.scale, self.weight, self.bias = (tensors[k].float() for k in ("mean", "scale", "weight", "bias"))
+
+    def probabilities(self, pooled: Tensor) -> Tensor:
+        x = (pooled.float().cpu() - self.mean) / self.scale
+        return torch.softmax(x @ self.weight.T + self.bias, dim=-1)
+
+
+def _load_corrections(path: str) -> tuple[DartsCorrections, dict[str, Any]]:
+    """The corrections in a darts-dist corrections file, and what they record about their merged model."""
+    tensors, header = _read_tagged(path)
+    corrections = DartsCorrections(CorrectionSpec.from_dict(header["spec"]), header["layers"])
+    # The file names tensors "{layer}.{parameter}"; the module keeps them under layers.
+    corrections.load_state_dict({f"layers.{name}": t for name, t in tensors.items()}, strict=True)
+    return corrections.requires_grad_(False), header.get("metadata", {})
+
+
+class DartsCorrection:
+    """The corrections and router of one darts-dist calibration, to put on a copy of the merged model they were
+    trained for (`apply`): the paper's fraction of a percent of the model's parameters, shipped on its own."""
+
+    def __init__(self, corrections: DartsCorrections, router: TaskRouter | None = None, *,
+                 made_for: dict[str, Any] | None = None, threshold: float | None = None,
+                 soft_routing: bool = False) -> None:
+        self.corrections = corrections
+        self.router = router
+        self.made_for = made_for or {}
+        self.tasks: tuple[str, ...] = tuple(corrections.spec.tasks)
+        if router is not None and router.tasks != self.tasks:
+            raise ValueError(f"the router picks among {list(router.tasks)}, the corrections have {list(self.tasks)}")
+        self.threshold = threshold if threshold is not None else router.threshold if router is not None else 1.0
+        self.soft_routing = soft_routing
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, settings: dict[str, Any] | None = None,
+                        **hub_kwargs: Any) -> DartsCorrection:
+        """The correction in a folder (or Hub repository) that `darts-dist export` wrote, either format."""
+        path = str(path)
+        if settings is None:
+            try:
+                settings = json.loads(open(cached_file(path, SETTINGS_FILE, **hub_kwargs)).read())
+            except OSError:  # a model folder: the settings are config.json's darts section
+                settings = json.loads(open(cached_file(path, "config.json", **hub_kwargs)).read())["darts"]
+        corrections, made_for = _load_corrections(cached_file(path, settings["corrections"], **hub_kwargs))
+        router = None if not settings.get("router") else TaskRouter(cached_file(path, settings["router"], **hub_kwargs))
+        return cls(corrections, router, made_for=made_for, threshold=settings.get("threshold"),
+                   soft_routing=settings.get("routing") == "soft")
+
+    def apply(self, model: PreTrainedModel, task: str | None = None) -> PreTrainedModel:
+        """Put the corrections on `model` (a merged model of the shape they were trained for) and return it, now
+        of a subclass of its class whose forward and generate() take `darts_task`; `task` sets its default."""
+        if isinstance(model, _DartsForward):
+            raise ValueError("this model has DARTS corrections already")
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        wrong = [f"{field}: the corrections' model has {self.made_for[field]}, this one {getattr(config, attr)}"
+                 for field, attr in _MODEL_FIELDS.items()
+                 if field in self.made_for and getattr(config, attr, None) != self.made_for[field]]
+        if wrong:
+            raise ValueError("these corrections were trained for another model (" + "; ".join(wrong)
+                             + "): put them on the merged model darts-dist exported with them")
+        default = task or getattr(model.config, "darts_task", None) or (ROUTED if self.router else MERGED)
+        model.__class__ = darts_class(type(model))
+        model._darts_init(self)
+        model.config.darts_task = default
+        model._darts_indices(default, 1)  # an unknown default is refused now, not at the first call
+        return model
+
+
+class _DartsForward:
+    """What a corrected model adds to its architecture's class: the correction each forward applies."""
+
+    def _darts_init(self, darts: DartsCorrection) -> None:
+        self.darts = darts
+        self._darts_handle = attach_corrections(self, darts.corrections)
+        self._darts_routes: tuple[weakref.ref, Tensor] | None = None  # a generation's routing, by its KV cache
+        self._darts_place()
+
+    def _darts_place(self) -> None:
+        """Each layer's correction on the device of the module it corrects (a model split over GPUs included)."""
+        for layer in self.darts.corrections.layer_keys:
+            device = next(surgery_module(self, layer).parameters()).device
+            self.darts.corrections[layer].to(device)
+        self._darts_device = self.device
+
+    def _darts_indices(self, task: str | Sequence[str], rows: int) -> list[int]:
+        names = [task] * rows if isinstance(task, str) else list(task)
+        if len(names) != rows:
+            raise ValueError(f"darts_task names {len(names)} tasks for a batch of {rows} sequences")
+        known = {MERGED: _NO_CORRECTION, ROUTED: _ROUTE, **{t: k for k, t in enumerate(self.darts.tasks)}}
+        unknown = sorted({name for name in names if name not in known})
+        if unknown or (ROUTED in names and self.darts.router is None):
+            raise ValueError(f"darts_task {unknown or ROUTED} is not one this model knows: it has "
+                             f"{[*self.darts.tasks, MERGED] + ([ROUTED] if self.darts.router else [])}")
+        return [known[name] for name in names]
+
+    def _darts_weights(self, task: str | Sequence[str] | None, inputs: dict[str, Any]) -> Tensor | None:
+        """Each row's [K] correction weights for this forward (None: no row is corrected)."""
+        first = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+        indices = self._darts_indices(self.config.darts_task if task is None else task, first.shape[0])
+        if all(index == _NO_CORRECTION for index in indices):
+            return None
+        weights = one_hot_tasks(torch.tensor([max(i, _NO_CORRECTION) for i in indices]), len(self.darts.tasks))
+        routed = [row for row, index in enumerate(indices) if index == _ROUTE]
+        if not routed:
+            return weights
+        kv = inputs.get("cache", inputs.get("past_key_values"))
+        if kv is not None and kv.get_seq_length() > 0:  # a decoding step: the prompt's routing holds
+            if self._darts_routes is None or self._darts_routes[0]() is not kv:
+                raise ValueError("a routed decoding step without its prompt's forward: route on the prompt first "
+                                 "(generate() does), or name a task")
+            return self._darts_routes[1]
+        weights[routed] = self._darts_route(inputs, routed)
+        self._darts_routes = None if kv is None else (weakref.ref(kv), weights)
+        return weights
+
+    @torch.no_grad()
+    def _darts_route(self, inputs: dict[str, Any], rows: list[int]) -> Tensor:
+        """The router's weights for `rows`, from the merged model's uncorrected states of this forward's input."""
+        router, darts = self.darts.router, self.darts
+        first = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+        mask = inputs.get("attention_mask")
+        mask = torch.ones(first.shape[:2], dtype=torch.long, device=first.device) if mask is None else mask[rows]
+        positions = inputs.get("position_ids")
+        positions = mask_positions(mask) if positions is None else positions.expand(first.shape[0], -1)[rows]
+        with self._darts_handle.weighted(None), capture_hidden(self, [router.layer]) as hidden:
+            self.get_decoder()(**{"input_ids" if inputs.get("input_ids") is not None else "inputs_embeds": first[rows]},
+                               attention_mask=mask, position_ids=positions, use_cache=False)
+        states, keep = hidden[router.layer].float(), mask.to(hidden[router.layer].device).float()
+        pooled = torch.einsum("bs,bsd->bd", keep, states) / keep.sum(dim=1, keepdim=True)
+        probabilities = router.probabilities(pooled)
+        confidence, task = probabilities.max(dim=-1)
+        chosen = probabilities if darts.soft_routing else one_hot_tasks(task, len(darts.tasks))
+        return chosen * (confidence >= darts.threshold).float()[:, None]
+
+    def _darts_forward(self, base_forward, base_signature: Signature, *args: Any,
+                       darts_task: str | Sequence[str] | None = None, **kwargs: Any):
+        if self.device != self._darts_device:  # the model moved (model.to(...)) since the last forward
+            self._darts_place()
+        inputs = base_signature.bind_partial(self, *args, **kwargs).arguments
+        extra = next((p.name for p in base_signature.parameters.values() if p.kind == Parameter.VAR_KEYWORD), None)
+        inputs = {**inputs.pop(extra, {}), **inputs}
+        with self._darts_handle.weighted(self._darts_weights(darts_task, inputs)):
+            return base_forward(self, *args, **kwargs)
+
+
+@cache
+def darts_class(base: type[PreTrainedModel]) -> type[PreTrainedModel]:
+    """`base` (e.g. LlamaForCausalLM) with DARTS corrections: the same name, weights and outputs, plus `darts_task`.
+
+    Named as its base, so that pipelines and lm-eval, which check the class name, treat it as the base."""
+    base_forward = base.forward
+    base_signature = signature(base_forward)
+
+    def forward(self, *args: Any, darts_task: str | Sequence[str] | None = None, **kwargs: Any):
+        return self._darts_forward(base_forward, base_signature, *args, darts_task=darts_task, **kwargs)
+
+    # generate() passes what the forward's signature names (position_ids, logits_to_keep, darts_task): the base's.
+    parameters = list(base_signature.parameters.values())
+    extra = Parameter("darts_task", Parameter.KEYWORD_ONLY, default=None)
+    at = next((i for i, p in enumerate(parameters) if p.kind == Parameter.VAR_KEYWORD), len(parameters))
+    forward.__signature__ = base_signature.replace(parameters=[*parameters[:at], extra, *parameters[at:]])
+    forward.__doc__ = base_forward.__doc__
+    return type(base.__name__, (_DartsForward, base), {"forward": forward, "__module__": __name__,
+                                                        "__doc__": f"{base.__name__} with DARTS corrections."})
+
+
+class DartsForCausalLM(PreTrainedModel):
+    """What `auto_map` names: loads the merged model as its base architecture's class, corrections on."""
+
+    config_class = DartsConfig
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, config: Any = None,
+                        **kwargs: Any) -> PreTrainedModel:
+        hub = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
+        if config is None:
+            config = DartsConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+            pretrained_model_name_or_path, *args, config=config, **kwargs)
+        return DartsCorrection.from_pretrained(pretrained_model_name_or_path, config.darts, **hub).apply(model)
+

@@ -1,0 +1,117 @@
+"""`darts-dist export`: the corrected model as a Hugging Face folder (`--format hf`), or its correction alone
+(`--format correction`), written to a temporary sibling and renamed into place when whole."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+from darts_dist.config import CORRECTIONS_FILE
+from darts_dist.core import ROUTER_FILE, TaskRouter, read_header
+from darts_dist.errors import DartsError
+from darts_dist.export.model_card import correction_card, model_card
+from darts_dist.export.source import ExportSource
+from darts_dist.export.weights import copy_weights
+from darts_dist.fsutil import atomic_dir
+
+Format = Literal["hf", "correction"]
+FORMATS: tuple[str, ...] = ("hf", "correction")
+ROUTED = "routed"  # the exported model's word for the router's pick (modeling_darts.ROUTED)
+MERGED = "merged"
+CORE = Path(__file__).absolute().parent.parent / "core"
+# The exported model's code: darts-dist's own modules, which import only torch, transformers, safetensors and
+# each other (relatively), so transformers' dynamic-module loader runs them from the folder.
+CODE_FILES = ("configuration_darts.py", "modeling_darts.py", "hooks.py", "correction.py")
+SETTINGS_FILE = "darts_correction.json"  # modeling_darts.SETTINGS_FILE
+AUTO_MAP = {"AutoConfig": "configuration_darts.DartsConfig", "AutoModelForCausalLM": "modeling_darts.DartsForCausalLM"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+RECIPE_FILE = "mergekit_config.yml"
+
+
+def _check_loadable(merged_dir: Path) -> dict[str, Any]:
+    """The merged model's config.json, refused unless transformers has a causal-LM class for its architecture."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = json.loads((merged_dir / "config.json").read_text())
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise DartsError(f"the merged model's architecture {model_type!r} ({merged_dir}) has no causal-LM class in "
+                         "this transformers, so the exported folder could not be loaded",
+                         "export a model of an architecture AutoModelForCausalLM loads (Llama, Mistral, Qwen2, …)")
+    return config
+
+
+def darts_settings(source: ExportSource, model_type: str) -> dict[str, Any]:
+    """The `darts` section: where the corrections and router are, and how routed requests are routed (the run's
+    serve settings, as its server routes)."""
+    files, serve = source.files, source.config.serve if source.config is not None else None
+    header = read_header(files.corrections)
+    return {
+        "base_model_type": model_type,
+        "tasks": header["spec"]["tasks"],
+        "layers": header["layers"],
+        "corrections": CORRECTIONS_FILE,
+        "router": ROUTER_FILE if files.router is not None else None,
+        "threshold": serve.router_threshold if serve is not None and files.router is not None else None,
+        "routing": serve.routing if serve is not None else "hard",
+    }
+
+
+def default_task(source: ExportSource, task: str | None) -> str:
+    """The task the model applies when a call names none: `task`, else routed (a run with a router)."""
+    tasks = read_header(source.files.corrections)["spec"]["tasks"]
+    task = task or (ROUTED if source.files.router is not None else None)
+    if task is None:
+        raise DartsError(f"{source.origin} has no task router, so the model cannot route by itself",
+                         f"pass --task with one of {tasks} (or {MERGED}); calls can still name another")
+    if task == ROUTED and source.files.router is None:
+        raise DartsError(f"--task {ROUTED}: {source.origin} has no task router", f"pass one of {tasks} or {MERGED}")
+    if task not in (*tasks, MERGED, ROUTED):
+        raise DartsError(f"--task {task!r} is not a task of these corrections",
+                         f"pass one of {[*tasks, MERGED] + ([ROUTED] if source.files.router else [])}")
+    return task
+
+
+def _copy_corrections(source: ExportSource, folder: Path) -> None:
+    shutil.copyfile(source.files.corrections, folder / CORRECTIONS_FILE)
+    if source.files.router is not None:
+        TaskRouter.load(source.files.router)  # refused here if unreadable, not on the user's machine
+        shutil.copyfile(source.files.router, folder / ROUTER_FILE)
+    for name in CODE_FILES:
+        shutil.copyfile(CORE / name, folder / name)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def export_model(source: ExportSource, out: Path, fmt: Format = "hf", task: str | None = None,
+                 overwrite: bool = False) -> Path:
+    """Write `source`'s corrected model (hf) or its correction (correction) to `out`; every check runs first."""
+    files = source.files
+    if files.corrections is None:
+        raise DartsError(f"{source.origin} has no corrections: there is nothing to export but the plain merge",
+                         "export a run that calibrated DARTS corrections (`darts-dist calibrate` or `demo`)")
+    if out.exists() and not overwrite:
+        raise DartsError(f"{out} exists", "pass --overwrite to replace it, or another --out")
+    config = _check_loadable(files.merged_dir)
+    settings = darts_settings(source, config["model_type"])
+    default = default_task(source, task)
+    with atomic_dir(out, overwrite=overwrite) as folder:
+        _copy_corrections(source, folder)
+        if fmt == "correction":
+            _write_json(folder / SETTINGS_FILE, {**settings, "darts_task": default})
+            (folder / "README.md").write_text(correction_card(source, settings, out.name))
+            return out
+        copy_weights(files.merged_dir, folder)
+        for name in (*TOKENIZER_FILES, "generation_config.json", RECIPE_FILE):
+            if (files.merged_dir / name).is_file():
+                shutil.copyfile(files.merged_dir / name, folder / name)
+        _write_json(folder / "config.json", {**config, "model_type": "darts", "architectures": ["DartsForCausalLM"],
+                                             "auto_map": AUTO_MAP, "darts": settings, "darts_task": default})
+        (folder / "README.md").write_text(model_card(source, settings, default, out.name))
+    return out

@@ -1,0 +1,205 @@
+"""`darts-dist export`: a Hugging Face folder that transformers alone loads and that generates, scores and routes as
+darts-dist does; the correction alone, put on a merged model; lm-eval's own `hf` model on the folder answering as
+`--model darts-dist`; bad input refused with nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from isolation import requirements_environment
+from lm_eval.models.huggingface import HFLM
+from safetensors.torch import load_file
+from test_lm_eval import CODE, MATH, QUESTIONS, make_run, requests_of
+from transformers import AutoModelForCausalLM
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+from darts_dist.cli import main
+from darts_dist.core import ROUTED, ROUTER_FILE
+from darts_dist.evaluate.lm_eval_model import DartsLM
+from darts_dist.export.weights import INDEX_FILE, copy_weights
+from darts_dist.generation import CorrectedLM
+
+MAX_NEW_TOKENS = 8
+# The exported model's task names and darts-dist's: a task, "merged" (None: no correction), "routed" (ROUTED).
+TASK_NAMES = {"code": "code", "math": "math", "merged": None, "routed": ROUTED}
+
+# Runs with only torch, transformers, safetensors and what they require on its path (darts_dist not importable):
+# greedy batched generation (left-padded) and right-padded logits under each task, and a pipeline's answer.
+ISOLATED = """
+import importlib.util, json, sys
+assert importlib.util.find_spec("darts_dist") is None, "darts_dist is importable"
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+folder, logits_file, prompts, tasks = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4].split(",")
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+generated, logits = {}, {}
+for task in tasks:
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    out = model.generate(**batch, max_new_tokens=%d, do_sample=False, darts_task=task)
+    generated[task] = out[:, batch["input_ids"].shape[1]:].tolist()
+    tokenizer.padding_side = "right"
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+    with torch.no_grad():
+        logits[task] = model(**batch, darts_task=task).logits.contiguous()
+save_file(logits, logits_file)
+answer = pipeline("text-generation", model=folder, trust_remote_code=True)("def add(a, b):", max_new_tokens=4,
+                                                                           do_sample=False)
+print(json.dumps({"generated": generated, "pipeline": answer[0]["generated_text"],
+                  "class": [c.__module__ + "." + c.__name__ for c in type(model).__mro__[:3]]}))
+""" % MAX_NEW_TOKENS
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_family, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Corrections at a decoder layer (which changes the KV cache) and at the final norm, and a router."""
+    return make_run(tmp_path_factory.mktemp("export_run"), tiny_family.base, layers=(1, "final"))
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("exported") / "tiny-darts"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    return out
+
+
+def prompts(lm: CorrectedLM) -> list[list[int]]:
+    """≥ 50 prompts of mixed lengths, code and word problems (the router picks both)."""
+    texts = [*CODE, *MATH, *QUESTIONS]
+    return [lm.encode(texts[i % len(texts)] + " x" * (i % 7)) for i in range(56)]
+
+
+def generated_texts(lm: CorrectedLM, rows: list[list[int]]) -> list[str]:
+    """What darts-dist's engine reports for HF's generated rows: the text before the end-of-sequence token, special
+    tokens left out."""
+    texts = []
+    for row in rows:
+        end = next((i for i, token in enumerate(row) if token in lm.eos_ids), len(row))
+        texts.append(lm.tokenizer.decode(row[:end], skip_special_tokens=True))
+    return texts
+
+
+def corrected_logits(lm: CorrectedLM, encoded: list[list[int]], task: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """darts-dist's logits of right-padded prompts under `task` (routed: routed on the prompts), and the mask."""
+    weights, _ = lm.task_weights([lm.task_index(task)] * len(encoded), encoded)
+    ids = torch.full((len(encoded), max(map(len, encoded))), lm.pad_id)
+    mask = torch.zeros_like(ids)
+    for row, tokens in enumerate(encoded):
+        ids[row, :len(tokens)], mask[row, :len(tokens)] = torch.tensor(tokens), 1
+    with torch.no_grad(), lm.weighted(weights):
+        return lm.model(input_ids=ids, attention_mask=mask).logits, mask
+
+
+@pytest.mark.slow
+def test_transformers_alone_loads_the_copied_folder_and_answers_as_darts_dist(run_dir: Path, exported: Path,
+                                                                              tmp_path: Path) -> None:
+    moved = tmp_path / "elsewhere" / "model"  # no absolute path inside: a copy loads, the original gone
+    shutil.copytree(exported, moved)
+    env = {"PYTHONPATH": str(requirements_environment(["torch", "transformers", "safetensors"], tmp_path)),
+           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    lm = CorrectedLM.load(run_dir / "merged", run_dir / "corrections.safetensors",
+                          router_path=run_dir / ROUTER_FILE)
+    encoded = prompts(lm)
+    result = subprocess.run([sys.executable, "-S", "-c", ISOLATED, str(moved), str(tmp_path / "logits.safetensors"),
+                             json.dumps(encoded), ",".join(TASK_NAMES)],
+                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    # The base architecture's own class underneath, built from the folder's code.
+    assert loaded["class"][2] == "transformers.models.llama.modeling_llama.LlamaForCausalLM"
+    assert loaded["class"][0].endswith("modeling_darts.LlamaForCausalLM")
+    assert loaded["pipeline"].startswith("def add(a, b):") and len(loaded["pipeline"]) > len("def add(a, b):")
+    logits = load_file(str(tmp_path / "logits.safetensors"))
+    assert len({len(ids) for ids in encoded}) > 3
+    assert len(set(lm.routes(encoded))) > 1  # routed rows under different corrections in one batch
+    texts = {}
+    for name, task in TASK_NAMES.items():
+        want = lm.generate_ids(encoded, [task] * len(encoded), max_new_tokens=MAX_NEW_TOKENS)
+        texts[name] = generated_texts(lm, loaded["generated"][name])
+        assert texts[name] == [completion.text for completion in want], name
+        ours, mask = corrected_logits(lm, encoded, task)
+        real = mask.bool()
+        assert torch.allclose(logits[name][real], ours[real], atol=1e-5, rtol=0), name
+    assert texts["code"] != texts["merged"] and texts["math"] != texts["code"]  # the corrections are in them
+    lm.close()
+
+
+def test_the_correction_alone_goes_onto_the_merged_model(run_dir: Path, exported: Path, tmp_path: Path) -> None:
+    out = tmp_path / "correction"
+    assert main(["export", str(run_dir), "--format", "correction", "--out", str(out), "--task", "math"]) == 0
+    assert not list(out.glob("*.safetensors")) or {p.name for p in out.glob("*.safetensors")} == {
+        "corrections.safetensors", ROUTER_FILE}  # no weights: the correction alone
+    correction = get_class_from_dynamic_module("modeling_darts.DartsCorrection", str(out))
+    model = correction.from_pretrained(out).apply(AutoModelForCausalLM.from_pretrained(run_dir / "merged"))
+    whole = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    ids = torch.tensor([[5, 9, 17, 33, 2, 40]])
+    with torch.no_grad():
+        for task in TASK_NAMES:
+            assert torch.equal(model(ids, darts_task=task).logits, whole(ids, darts_task=task).logits), task
+        # The folder's default: config.darts_task, as --task set it.
+        assert torch.equal(model(ids).logits, whole(ids, darts_task="math").logits)
+        assert not torch.equal(model(ids).logits, whole(ids, darts_task="merged").logits)
+    with pytest.raises(ValueError, match="knows"):
+        model(ids, darts_task="chemistry")
+
+
+@pytest.mark.parametrize("task", ["math", "merged", "routed"])
+def test_lm_evals_hf_model_on_the_folder_answers_as_darts_dist_lm_eval(run_dir: Path, exported: Path,
+                                                                      task: str) -> None:
+    theirs = HFLM(pretrained=str(exported), trust_remote_code=True, device="cpu", dtype="float32", batch_size=2,
+                  darts_task=task)
+    ours = DartsLM(run=str(run_dir), task=task, device="cpu", batch_size=2)
+    likelihoods, generations = requests_of(QUESTIONS + CODE[:1])
+    # Routed: generation routes on the prompt in both; a likelihood is routed on its context by darts-dist-lm-eval
+    # but on context and continuation by a model that sees them in one forward, so they are compared pinned only.
+    if task != "routed":
+        got, want = theirs.loglikelihood(likelihoods, True), ours.loglikelihood(likelihoods, True)
+        assert [g for _, g in got] == [g for _, g in want]
+        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=1e-5)
+    assert theirs.generate_until(generations, True) == ours.generate_until(generations, True)
+    ours.lm.close()
+
+
+def test_sharded_weights_load_as_the_single_file(tiny_family, tmp_path: Path) -> None:
+    names = copy_weights(tiny_family.base, tmp_path, max_shard_bytes=200_000)
+    assert len(names) > 1 and (tmp_path / INDEX_FILE).is_file()
+    shutil.copyfile(tiny_family.base / "config.json", tmp_path / "config.json")
+    sharded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    whole = AutoModelForCausalLM.from_pretrained(tiny_family.base).state_dict()
+    assert sharded.keys() == whole.keys() and all(torch.equal(sharded[k], whole[k]) for k in whole)
+
+
+def _refused(capsys, tmp_path: Path, *args: str, expected: str) -> None:
+    before = set(tmp_path.iterdir())
+    assert main(["export", *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "fix:" in err, err
+    assert set(tmp_path.iterdir()) == before  # nothing half-written, no temporary sibling
+
+
+def test_bad_input_is_refused_with_nothing_written(run_dir: Path, tmp_path: Path, capsys) -> None:
+    bare = tmp_path / "bare"
+    shutil.copytree(run_dir / "merged", bare / "merged")
+    _refused(capsys, tmp_path, str(bare), "--out", str(tmp_path / "out"), expected="has no corrections")
+    alien = tmp_path / "alien"
+    shutil.copytree(run_dir, alien)
+    config = json.loads((alien / "merged" / "config.json").read_text())
+    (alien / "merged" / "config.json").write_text(json.dumps({**config, "model_type": "nonesuch"}))
+    _refused(capsys, tmp_path, str(alien), "--out", str(tmp_path / "out"), expected="'nonesuch'")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    _refused(capsys, tmp_path, str(run_dir), "--out", str(taken), expected="exists")
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"]
+    _refused(capsys, tmp_path, str(run_dir), "--out", str(tmp_path / "out"), "--task", "chemistry",
+             expected="'chemistry' is not a task")
+    assert main(["export", str(run_dir), "--out", str(taken), "--overwrite"]) == 0
+    assert (taken / "config.json").is_file() and not (taken / "keep.txt").exists()
