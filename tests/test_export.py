@@ -149,6 +149,12 @@ def test_the_correction_alone_goes_onto_the_merged_model(run_dir: Path, exported
         assert not torch.equal(model(ids).logits, whole(ids, darts_task="merged").logits)
     with pytest.raises(ValueError, match="knows"):
         model(ids, darts_task="chemistry")
+    # Saved again (as push_to_hub saves), it loads corrected, routed included.
+    model.save_pretrained(tmp_path / "resaved")
+    resaved = AutoModelForCausalLM.from_pretrained(tmp_path / "resaved", trust_remote_code=True)
+    with torch.no_grad():
+        for task in TASK_NAMES:
+            assert torch.equal(resaved(ids, darts_task=task).logits, whole(ids, darts_task=task).logits), task
 
 
 @pytest.mark.parametrize("task", ["math", "merged", "routed"])

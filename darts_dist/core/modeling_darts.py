@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import weakref
 from collections.abc import Sequence
 from functools import cache
 from inspect import Parameter, Signature, signature
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +40,10 @@ from .hooks import attach_corrections, capture_hidden, surgery_module
 
 MERGED = "merged"
 ROUTED = "routed"
+CORRECTIONS_FILE, ROUTER_FILE = "corrections.safetensors", "router.safetensors"
+# This file and what it imports: what a folder needs to load corrected (transformers copies them from it).
+CODE_FILES = ("configuration_darts.py", "modeling_darts.py", "hooks.py", "correction.py")
+AUTO_MAP = {"AutoConfig": "configuration_darts.DartsConfig", "AutoModelForCausalLM": "modeling_darts.DartsForCausalLM"}
 SETTINGS_FILE = "darts_correction.json"  # a correction-only folder's settings; a model folder keeps them in config.json
 HEADER_KEY = "darts_dist"  # where darts-dist's safetensors files keep their JSON header
 # Fields of the merged model the corrections record and that a model they are put on must have.
@@ -87,8 +93,10 @@ class DartsCorrection:
 
     def __init__(self, corrections: DartsCorrections, router: TaskRouter | None = None, *,
                  made_for: dict[str, Any] | None = None, threshold: float | None = None,
-                 soft_routing: bool = False) -> None:
+                 soft_routing: bool = False, files: dict[str, str] | None = None) -> None:
+        """`files`: the corrections and router files this was read from, which a saved model carries along."""
         self.corrections = corrections
+        self.files = files or {}
         self.router = router
         self.made_for = made_for or {}
         self.tasks: tuple[str, ...] = tuple(corrections.spec.tasks)
@@ -107,10 +115,21 @@ class DartsCorrection:
                 settings = json.loads(open(cached_file(path, SETTINGS_FILE, **hub_kwargs)).read())
             except OSError:  # a model folder: the settings are config.json's darts section
                 settings = json.loads(open(cached_file(path, "config.json", **hub_kwargs)).read())["darts"]
-        corrections, made_for = _load_corrections(cached_file(path, settings["corrections"], **hub_kwargs))
-        router = None if not settings.get("router") else TaskRouter(cached_file(path, settings["router"], **hub_kwargs))
+        files = {CORRECTIONS_FILE: cached_file(path, settings["corrections"], **hub_kwargs)}
+        if settings.get("router"):
+            files[ROUTER_FILE] = cached_file(path, settings["router"], **hub_kwargs)
+        corrections, made_for = _load_corrections(files[CORRECTIONS_FILE])
+        router = TaskRouter(files[ROUTER_FILE]) if ROUTER_FILE in files else None
         return cls(corrections, router, made_for=made_for, threshold=settings.get("threshold"),
-                   soft_routing=settings.get("routing") == "soft")
+                   soft_routing=settings.get("routing") == "soft", files=files)
+
+    def settings(self, base_model_type: str) -> dict[str, Any]:
+        """The `darts` section of a folder holding these corrections."""
+        return {"base_model_type": base_model_type, "tasks": list(self.tasks),
+                "layers": list(self.corrections.layer_keys), "corrections": CORRECTIONS_FILE,
+                "router": ROUTER_FILE if self.router is not None else None,
+                "threshold": self.threshold if self.router is not None else None,
+                "routing": "soft" if self.soft_routing else "hard"}
 
     def apply(self, model: PreTrainedModel, task: str | None = None) -> PreTrainedModel:
         """Put the corrections on `model` (a merged model of the shape they were trained for) and return it, now
@@ -128,6 +147,9 @@ class DartsCorrection:
         model.__class__ = darts_class(type(model))
         model._darts_init(self)
         model.config.darts_task = default
+        model.config.darts = self.settings(getattr(model.config, "darts", {}).get("base_model_type",
+                                                                                  model.config.model_type))
+        model.config.auto_map = AUTO_MAP
         model._darts_indices(default, 1)  # an unknown default is refused now, not at the first call
         return model
 
@@ -140,6 +162,19 @@ class _DartsForward:
         self._darts_handle = attach_corrections(self, darts.corrections)
         self._darts_routes: tuple[weakref.ref, Tensor] | None = None  # a generation's routing, by its KV cache
         self._darts_place()
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """The base's save_pretrained (push_to_hub's too), plus what makes the folder load corrected again: the
+        corrections and router files, this code, and config.json's darts model type."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        folder, here = Path(save_directory), Path(__file__).absolute().parent
+        if set(self.darts.files) != {CORRECTIONS_FILE, *([ROUTER_FILE] if self.darts.router else [])}:
+            raise ValueError("these corrections were not read from files, so they cannot be saved with the model")
+        for name, path in [*self.darts.files.items(), *((name, here / name) for name in CODE_FILES)]:
+            shutil.copyfile(path, folder / name)
+        config = json.loads((folder / "config.json").read_text())
+        config.update(model_type=DartsConfig.model_type, architectures=[DartsForCausalLM.__name__])
+        (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     def _darts_place(self) -> None:
         """Each layer's correction on the device of the module it corrects (a model split over GPUs included)."""

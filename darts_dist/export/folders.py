@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from darts_dist.config import CORRECTIONS_FILE
-from darts_dist.core import ROUTER_FILE, TaskRouter, read_header
+from darts_dist.core import ROUTER_FILE, TaskRouter, modeling_darts, read_header
+from darts_dist.core.modeling_darts import AUTO_MAP, CODE_FILES, MERGED, ROUTED, SETTINGS_FILE
 from darts_dist.errors import DartsError
 from darts_dist.export.model_card import correction_card, model_card
 from darts_dist.export.source import ExportSource
@@ -18,14 +19,9 @@ from darts_dist.fsutil import atomic_dir
 
 Format = Literal["hf", "correction"]
 FORMATS: tuple[str, ...] = ("hf", "correction")
-ROUTED = "routed"  # the exported model's word for the router's pick (modeling_darts.ROUTED)
-MERGED = "merged"
-CORE = Path(__file__).absolute().parent.parent / "core"
 # The exported model's code: darts-dist's own modules, which import only torch, transformers, safetensors and
 # each other (relatively), so transformers' dynamic-module loader runs them from the folder.
-CODE_FILES = ("configuration_darts.py", "modeling_darts.py", "hooks.py", "correction.py")
-SETTINGS_FILE = "darts_correction.json"  # modeling_darts.SETTINGS_FILE
-AUTO_MAP = {"AutoConfig": "configuration_darts.DartsConfig", "AutoModelForCausalLM": "modeling_darts.DartsForCausalLM"}
+CORE = Path(modeling_darts.__file__).absolute().parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 RECIPE_FILE = "mergekit_config.yml"
