@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from darts_dist.cli import main
-from darts_dist.core import ROUTED, ROUTER_FILE
+from darts_dist.core import ROUTED, ROUTER_FILE, token_batch
 from darts_dist.evaluate.lm_eval_model import DartsLM
 from darts_dist.export.weights import INDEX_FILE, copy_weights
 from darts_dist.generation import CorrectedLM
@@ -129,6 +129,32 @@ def test_transformers_alone_loads_the_copied_folder_and_answers_as_darts_dist(ru
         real = mask.bool()
         assert torch.allclose(logits[name][real], ours[real], atol=1e-5, rtol=0), name
     assert texts["code"] != texts["merged"] and texts["math"] != texts["code"]  # the corrections are in them
+    lm.close()
+
+
+def test_routing_in_the_corrected_forward_equals_a_pass_of_its_own(tiny_family, tmp_path: Path) -> None:
+    """Corrections at the final norm only, the router there too: the router reads the states the correction is
+    about to change, in the same forward; the answers are those of a separate routing pass and darts-dist's."""
+    run = make_run(tmp_path / "run", tiny_family.base)
+    assert main(["export", str(run), "--out", str(tmp_path / "out")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
+    lm = CorrectedLM.load(run / "merged", run / "corrections.safetensors", router_path=run / ROUTER_FILE)
+    encoded = prompts(lm)[:24]
+    assert len(set(lm.routes(encoded))) > 1
+    ids, mask = token_batch(encoded, lm.pad_id)
+    assert model._darts_in_pass  # no correction before the router's layer
+    lm.tokenizer.padding_side = "left"
+    batch = lm.tokenizer.pad({"input_ids": encoded}, return_tensors="pt")
+    answers = {}
+    for in_pass in (True, False):
+        model._darts_in_pass = in_pass
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, darts_task="routed").logits
+        out = model.generate(**batch, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, darts_task="routed")
+        answers[in_pass] = (logits, generated_texts(lm, out[:, batch["input_ids"].shape[1]:].tolist()))
+    assert torch.allclose(answers[True][0], answers[False][0], atol=1e-5, rtol=0)
+    want = lm.generate_ids(encoded, [ROUTED] * len(encoded), max_new_tokens=MAX_NEW_TOKENS)
+    assert answers[True][1] == answers[False][1] == [completion.text for completion in want]
     lm.close()
 
 

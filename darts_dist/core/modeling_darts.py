@@ -154,6 +154,11 @@ class DartsCorrection:
         return model
 
 
+def _order(layer: str | int) -> float:
+    """Where a surgery layer comes in the forward: decoder layers by index, then the final norm."""
+    return float("inf") if layer == "final" else int(layer)
+
+
 class _DartsForward:
     """What a corrected model adds to its architecture's class: the correction each forward applies."""
 
@@ -161,6 +166,15 @@ class _DartsForward:
         self.darts = darts
         self._darts_handle = attach_corrections(self, darts.corrections)
         self._darts_routes: tuple[weakref.ref, Tensor] | None = None  # a generation's routing, by its KV cache
+        # Routing within the corrected forward itself, when no correction comes before the router's layer: its
+        # states there are the uncorrected ones the router reads, so a hook on that layer, run before the
+        # correction's, routes the rows waiting in _darts_pending (weights, rows, mask). Else a pass of its own.
+        self._darts_pending: tuple[Tensor, list[int], Tensor] | None = None
+        router = darts.router
+        self._darts_in_pass = router is not None and all(
+            _order(layer) >= _order(router.layer) for layer in darts.corrections.layer_keys)
+        if self._darts_in_pass:
+            surgery_module(self, router.layer).register_forward_hook(self._darts_route_hook, prepend=True)
         self._darts_place()
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
@@ -198,6 +212,7 @@ class _DartsForward:
         """Each row's [K] correction weights for this forward (None: no row is corrected)."""
         first = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
         indices = self._darts_indices(self.config.darts_task if task is None else task, first.shape[0])
+        self._darts_pending = None  # a forward that failed before the router's layer leaves nothing behind
         if all(index == _NO_CORRECTION for index in indices):
             return None
         weights = one_hot_tasks(torch.tensor([max(i, _NO_CORRECTION) for i in indices]), len(self.darts.tasks))
@@ -210,28 +225,53 @@ class _DartsForward:
                 raise ValueError("a routed decoding step without its prompt's forward: route on the prompt first "
                                  "(generate() does), or name a task")
             return self._darts_routes[1]
-        weights[routed] = self._darts_route(inputs, routed)
+        if self._darts_in_pass:
+            self._darts_pending = (weights, routed, self._darts_mask(inputs, first)[routed])
+        else:
+            weights[routed] = self._darts_route(inputs, routed)
         self._darts_routes = None if kv is None else (weakref.ref(kv), weights)
         return weights
 
-    @torch.no_grad()
-    def _darts_route(self, inputs: dict[str, Any], rows: list[int]) -> Tensor:
-        """The router's weights for `rows`, from the merged model's uncorrected states of this forward's input."""
-        router, darts = self.darts.router, self.darts
-        first = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+    @staticmethod
+    def _darts_mask(inputs: dict[str, Any], first: Tensor) -> Tensor:
+        """The rows' real tokens [B, S]: the forward's 2D attention mask, or every token."""
         mask = inputs.get("attention_mask")
-        mask = torch.ones(first.shape[:2], dtype=torch.long, device=first.device) if mask is None else mask[rows]
-        positions = inputs.get("position_ids")
-        positions = mask_positions(mask) if positions is None else positions.expand(first.shape[0], -1)[rows]
-        with self._darts_handle.weighted(None), capture_hidden(self, [router.layer]) as hidden:
-            self.get_decoder()(**{"input_ids" if inputs.get("input_ids") is not None else "inputs_embeds": first[rows]},
-                               attention_mask=mask, position_ids=positions, use_cache=False)
-        states, keep = hidden[router.layer].float(), mask.to(hidden[router.layer].device).float()
-        pooled = torch.einsum("bs,bsd->bd", keep, states) / keep.sum(dim=1, keepdim=True)
-        probabilities = router.probabilities(pooled)
+        if mask is None:
+            return torch.ones(first.shape[:2], dtype=torch.long, device=first.device)
+        if mask.ndim != 2:
+            raise ValueError("routing reads a 2D attention mask (which tokens are real): pass one, or name a task")
+        return mask
+
+    def _darts_pick(self, states: Tensor, mask: Tensor) -> Tensor:
+        """The router's [n, K] weights for states [n, S, d] at its layer, pooled over the mask's real tokens."""
+        darts, keep = self.darts, mask.to(states.device).float()
+        pooled = torch.einsum("bs,bsd->bd", keep, states.float()) / keep.sum(dim=1, keepdim=True)
+        probabilities = darts.router.probabilities(pooled)
         confidence, task = probabilities.max(dim=-1)
         chosen = probabilities if darts.soft_routing else one_hot_tasks(task, len(darts.tasks))
         return chosen * (confidence >= darts.threshold).float()[:, None]
+
+    @torch.no_grad()
+    def _darts_route_hook(self, module: Any, args: Any, output: Any) -> None:
+        if self._darts_pending is None:
+            return
+        weights, rows, mask = self._darts_pending
+        self._darts_pending = None
+        states = output if isinstance(output, Tensor) else output[0]
+        weights[rows] = self._darts_pick(states[rows], mask)  # in place: the correction's hook reads it next
+
+    @torch.no_grad()
+    def _darts_route(self, inputs: dict[str, Any], rows: list[int]) -> Tensor:
+        """The router's weights for `rows`, from a pass of the merged model, uncorrected, over this forward's input."""
+        layer = self.darts.router.layer
+        first = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
+        mask = self._darts_mask(inputs, first)[rows]
+        positions = inputs.get("position_ids")
+        positions = mask_positions(mask) if positions is None else positions.expand(first.shape[0], -1)[rows]
+        with self._darts_handle.weighted(None), capture_hidden(self, [layer]) as hidden:
+            self.get_decoder()(**{"input_ids" if inputs.get("input_ids") is not None else "inputs_embeds": first[rows]},
+                               attention_mask=mask, position_ids=positions, use_cache=False)
+        return self._darts_pick(hidden[layer], mask)
 
     def _darts_forward(self, base_forward, base_signature: Signature, *args: Any,
                        darts_task: str | Sequence[str] | None = None, **kwargs: Any):

@@ -107,11 +107,14 @@ class DartsLM(HFLM):
 
     def _route(self, encoded: Sequence[Sequence[int]]) -> list[int]:
         """The router's task index (−1: none) for each tokenised context, as CorrectedLM's routed id picks it."""
-        picks: list[int] = []
-        for start in range(0, len(encoded), ROUTE_BATCH):
-            chunk = [list(ids)[-self.max_length:] for ids in encoded[start:start + ROUTE_BATCH]]
-            picks += [self.lm.task_index(task) for task in self.lm.routes(chunk)]
-        return picks
+        # Each distinct context once (a multiple-choice question repeats its context for every choice), in order of
+        # length, so that a routing batch pads little.
+        unique = sorted(dict.fromkeys(tuple(ids)[-self.max_length:] for ids in encoded), key=len)
+        picks: dict[tuple[int, ...], int] = {}
+        for start in range(0, len(unique), ROUTE_BATCH):
+            chunk = unique[start:start + ROUTE_BATCH]
+            picks.update(zip(chunk, (self.lm.task_index(task) for task in self.lm.routes(chunk))))
+        return [picks[tuple(ids)[-self.max_length:]] for ids in encoded]
 
     def _in_groups(self, items: list, picks: list[int], score) -> list:
         """`score` on the items of each routed task (pinned to it), the results back in the items' order."""
