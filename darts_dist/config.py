@@ -28,7 +28,7 @@ CORRECTIONS_FILE = "corrections.safetensors"
 # in fp32): serving's default and evaluation's.
 PREFIX_CACHE_TOKENS = 4096
 # Served model ids are NAME:<task>, NAME:merged (no correction) and NAME (task "auto": routed).
-RESERVED_TASKS = ("auto", "merged")
+RESERVED_TASKS = ("auto", "merged", "routed")
 
 
 class _Section(BaseModel):

@@ -161,10 +161,11 @@ def test_routing_in_the_corrected_forward_equals_a_pass_of_its_own(tiny_family, 
 def test_the_correction_alone_goes_onto_the_merged_model(run_dir: Path, exported: Path, tmp_path: Path) -> None:
     out = tmp_path / "correction"
     assert main(["export", str(run_dir), "--format", "correction", "--out", str(out), "--task", "math"]) == 0
-    assert not list(out.glob("*.safetensors")) or {p.name for p in out.glob("*.safetensors")} == {
-        "corrections.safetensors", ROUTER_FILE}  # no weights: the correction alone
+    # No weights: the correction alone.
+    assert {p.name for p in out.glob("*.safetensors")} == {"corrections.safetensors", ROUTER_FILE}
     correction = get_class_from_dynamic_module("modeling_darts.DartsCorrection", str(out))
     model = correction.from_pretrained(out).apply(AutoModelForCausalLM.from_pretrained(run_dir / "merged"))
+    assert model.config.darts_task == "math"  # as --task said
     whole = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
     ids = torch.tensor([[5, 9, 17, 33, 2, 40]])
     with torch.no_grad():
@@ -209,6 +210,27 @@ def test_sharded_weights_load_as_the_single_file(tiny_family, tmp_path: Path) ->
     assert sharded.keys() == whole.keys() and all(torch.equal(sharded[k], whole[k]) for k in whole)
 
 
+def test_a_model_dispatched_by_accelerate_is_corrected(run_dir: Path, exported: Path) -> None:
+    """device_map splits and offloading wrap the forward (accelerate's hooks): the correction still applies, and
+    generate() still takes darts_task, per row too, with several returned sequences each."""
+    from accelerate import dispatch_model
+
+    correction = get_class_from_dynamic_module("modeling_darts.DartsCorrection", str(exported))
+    merged = dispatch_model(AutoModelForCausalLM.from_pretrained(run_dir / "merged"), {"": "cpu"}, force_hooks=True)
+    model = correction.from_pretrained(exported).apply(merged)
+    whole = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    ids = torch.tensor([[5, 9, 17, 33, 2, 40], [7, 7, 21, 30, 3, 11]])
+    with torch.no_grad():
+        assert torch.equal(model(ids, darts_task="math").logits, whole(ids, darts_task="math").logits)
+        assert not torch.equal(model(ids, darts_task="math").logits, whole(ids, darts_task="merged").logits)
+    tasks = ["math", "code"]
+    beams = {"max_new_tokens": 4, "do_sample": False, "num_beams": 2, "num_return_sequences": 2}
+    out = model.generate(ids, darts_task=tasks, **beams)
+    alone = [whole.generate(ids[row:row + 1], darts_task=task, **beams) for row, task in enumerate(tasks)]
+    assert out.tolist() == alone[0].tolist() + alone[1].tolist()
+    assert alone[0].tolist() != whole.generate(ids[:1], darts_task="merged", **beams).tolist()
+
+
 def _refused(capsys, tmp_path: Path, *args: str, expected: str) -> None:
     before = set(tmp_path.iterdir())
     assert main(["export", *args]) == 2
@@ -233,5 +255,10 @@ def test_bad_input_is_refused_with_nothing_written(run_dir: Path, tmp_path: Path
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
     _refused(capsys, tmp_path, str(run_dir), "--out", str(tmp_path / "out"), "--task", "chemistry",
              expected="'chemistry' is not a task")
+    _refused(capsys, tmp_path, str(run_dir), "--out", str(run_dir), "--overwrite", expected="holds the files")
+    broken = tmp_path / "broken"  # refused while writing: the partial folder goes
+    shutil.copytree(run_dir, broken)
+    (broken / ROUTER_FILE).write_bytes(b"not safetensors")
+    _refused(capsys, tmp_path, str(broken), "--out", str(tmp_path / "out"), expected="router")
     assert main(["export", str(run_dir), "--out", str(taken), "--overwrite"]) == 0
     assert (taken / "config.json").is_file() and not (taken / "keep.txt").exists()

@@ -34,6 +34,8 @@ class DartsConfig(PretrainedConfig):
             raise ValueError("this config.json has no 'darts' section naming its base_model_type: "
                              "export the model again with `darts-dist export --format hf`")
         base_type = darts["base_model_type"]
+        if base_type == "mistral" and "layer_types" in config_dict:  # as AutoConfig reads such a config
+            base_type = "ministral"
         if base_type not in CONFIG_MAPPING:
             raise ValueError(f"the base architecture {base_type!r} is unknown to this transformers version: "
                              "install the transformers version the model was exported with, or newer")

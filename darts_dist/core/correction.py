@@ -209,7 +209,7 @@ def one_hot_tasks(task_ids: Tensor, num_tasks: int) -> Tensor:
         raise ValueError(f"task ids must be one per sequence, shape [B], got {list(ids.shape)}")
     if ((ids < -1) | (ids >= num_tasks)).any():
         raise ValueError(f"task ids must be in [-1, {num_tasks - 1}] (-1 = no correction), got {ids.tolist()}")
-    weights = torch.zeros(ids.shape[0], num_tasks, device=ids.device)
+    weights = torch.zeros(ids.shape[0], num_tasks, dtype=torch.float32, device=ids.device)
     rows = torch.nonzero(ids >= 0).flatten()
     weights[rows, ids[rows]] = 1.0
     return weights

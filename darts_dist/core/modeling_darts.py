@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import types
 import weakref
 from collections.abc import Sequence
 from functools import cache
@@ -93,9 +94,12 @@ class DartsCorrection:
 
     def __init__(self, corrections: DartsCorrections, router: TaskRouter | None = None, *,
                  made_for: dict[str, Any] | None = None, threshold: float | None = None,
-                 soft_routing: bool = False, files: dict[str, str] | None = None) -> None:
-        """`files`: the corrections and router files this was read from, which a saved model carries along."""
+                 soft_routing: bool = False, files: dict[str, str] | None = None,
+                 default_task: str | None = None) -> None:
+        """`files`: the corrections and router files this was read from, which a saved model carries along;
+        `default_task`: what `apply` sets as the model's darts_task unless told or the model says otherwise."""
         self.corrections = corrections
+        self.default_task = default_task
         self.files = files or {}
         self.router = router
         self.made_for = made_for or {}
@@ -121,7 +125,8 @@ class DartsCorrection:
         corrections, made_for = _load_corrections(files[CORRECTIONS_FILE])
         router = TaskRouter(files[ROUTER_FILE]) if ROUTER_FILE in files else None
         return cls(corrections, router, made_for=made_for, threshold=settings.get("threshold"),
-                   soft_routing=settings.get("routing") == "soft", files=files)
+                   soft_routing=settings.get("routing") == "soft", files=files,
+                   default_task=settings.get("darts_task"))
 
     def settings(self, base_model_type: str) -> dict[str, Any]:
         """The `darts` section of a folder holding these corrections."""
@@ -143,8 +148,12 @@ class DartsCorrection:
         if wrong:
             raise ValueError("these corrections were trained for another model (" + "; ".join(wrong)
                              + "): put them on the merged model darts-dist exported with them")
-        default = task or getattr(model.config, "darts_task", None) or (ROUTED if self.router else MERGED)
+        default = (task or getattr(model.config, "darts_task", None) or self.default_task
+                   or (ROUTED if self.router else MERGED))
         model.__class__ = darts_class(type(model))
+        if "_old_forward" in model.__dict__:  # accelerate's dispatch (device_map, offload) calls the forward it kept
+            model._old_forward = types.MethodType(type(model).forward, model)
+            model.forward.__wrapped__ = model._old_forward  # generate() reads the signature: darts_task is in it
         model._darts_init(self)
         model.config.darts_task = default
         model.config.darts = self.settings(getattr(model.config, "darts", {}).get("base_model_type",
@@ -152,6 +161,18 @@ class DartsCorrection:
         model.config.auto_map = AUTO_MAP
         model._darts_indices(default, 1)  # an unknown default is refused now, not at the first call
         return model
+
+
+def _execution_device(module: torch.nn.Module, fallback: torch.device) -> torch.device:
+    """Where `module` computes: accelerate's execution device for a dispatched (offloaded) module, else where its
+    weights are; never `meta` (an offloaded module's weights sit there while it is not running)."""
+    hook_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(hook_device)
+    weight = next(module.parameters(), None)
+    if weight is not None and weight.device.type != "meta":
+        return weight.device
+    return fallback if fallback.type != "meta" else torch.device("cpu")
 
 
 def _order(layer: str | int) -> float:
@@ -165,11 +186,13 @@ class _DartsForward:
     def _darts_init(self, darts: DartsCorrection) -> None:
         self.darts = darts
         self._darts_handle = attach_corrections(self, darts.corrections)
-        self._darts_routes: tuple[weakref.ref, Tensor] | None = None  # a generation's routing, by its KV cache
+        # Each generation's routing, by its KV cache: its decoding steps keep the prompt's pick.
+        self._darts_routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Routing within the corrected forward itself, when no correction comes before the router's layer: its
         # states there are the uncorrected ones the router reads, so a hook on that layer, run before the
         # correction's, routes the rows waiting in _darts_pending (weights, rows, mask). Else a pass of its own.
         self._darts_pending: tuple[Tensor, list[int], Tensor] | None = None
+        self._darts_routing: Tensor | None = None  # the running forward's routed weights
         router = darts.router
         self._darts_in_pass = router is not None and all(
             _order(layer) >= _order(router.layer) for layer in darts.corrections.layer_keys)
@@ -180,10 +203,15 @@ class _DartsForward:
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         """The base's save_pretrained (push_to_hub's too), plus what makes the folder load corrected again: the
         corrections and router files, this code, and config.json's darts model type."""
-        super().save_pretrained(save_directory, *args, **kwargs)
-        folder, here = Path(save_directory), Path(__file__).absolute().parent
         if set(self.darts.files) != {CORRECTIONS_FILE, *([ROUTER_FILE] if self.darts.router else [])}:
             raise ValueError("these corrections were not read from files, so they cannot be saved with the model")
+        if kwargs.get("push_to_hub"):  # transformers would upload before the files below are written
+            raise ValueError("save_pretrained(push_to_hub=True) would upload the model without its corrections: "
+                             "call model.push_to_hub(repo_id), which saves all of it first")
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return
+        folder, here = Path(save_directory), Path(__file__).absolute().parent
         for name, path in [*self.darts.files.items(), *((name, here / name) for name in CODE_FILES)]:
             shutil.copyfile(path, folder / name)
         config = json.loads((folder / "config.json").read_text())
@@ -193,12 +221,13 @@ class _DartsForward:
     def _darts_place(self) -> None:
         """Each layer's correction on the device of the module it corrects (a model split over GPUs included)."""
         for layer in self.darts.corrections.layer_keys:
-            device = next(surgery_module(self, layer).parameters()).device
-            self.darts.corrections[layer].to(device)
+            self.darts.corrections[layer].to(_execution_device(surgery_module(self, layer), self.device))
         self._darts_device = self.device
 
     def _darts_indices(self, task: str | Sequence[str], rows: int) -> list[int]:
         names = [task] * rows if isinstance(task, str) else list(task)
+        if names and rows % len(names) == 0:  # generate() repeats each row for its beams or returned sequences
+            names = [name for name in names for _ in range(rows // len(names))]
         if len(names) != rows:
             raise ValueError(f"darts_task names {len(names)} tasks for a batch of {rows} sequences")
         known = {MERGED: _NO_CORRECTION, ROUTED: _ROUTE, **{t: k for k, t in enumerate(self.darts.tasks)}}
@@ -212,7 +241,6 @@ class _DartsForward:
         """Each row's [K] correction weights for this forward (None: no row is corrected)."""
         first = inputs.get("input_ids") if inputs.get("input_ids") is not None else inputs["inputs_embeds"]
         indices = self._darts_indices(self.config.darts_task if task is None else task, first.shape[0])
-        self._darts_pending = None  # a forward that failed before the router's layer leaves nothing behind
         if all(index == _NO_CORRECTION for index in indices):
             return None
         weights = one_hot_tasks(torch.tensor([max(i, _NO_CORRECTION) for i in indices]), len(self.darts.tasks))
@@ -221,15 +249,15 @@ class _DartsForward:
             return weights
         kv = inputs.get("cache", inputs.get("past_key_values"))
         if kv is not None and kv.get_seq_length() > 0:  # a decoding step: the prompt's routing holds
-            if self._darts_routes is None or self._darts_routes[0]() is not kv:
+            if kv not in self._darts_routes:
                 raise ValueError("a routed decoding step without its prompt's forward: route on the prompt first "
                                  "(generate() does), or name a task")
-            return self._darts_routes[1]
+            return self._darts_routes[kv]
         if self._darts_in_pass:
             self._darts_pending = (weights, routed, self._darts_mask(inputs, first)[routed])
         else:
             weights[routed] = self._darts_route(inputs, routed)
-        self._darts_routes = None if kv is None else (weakref.ref(kv), weights)
+        self._darts_routing = weights  # kept by the forward's cache, once it ran (_darts_forward)
         return weights
 
     @staticmethod
@@ -280,8 +308,16 @@ class _DartsForward:
         inputs = base_signature.bind_partial(self, *args, **kwargs).arguments
         extra = next((p.name for p in base_signature.parameters.values() if p.kind == Parameter.VAR_KEYWORD), None)
         inputs = {**inputs.pop(extra, {}), **inputs}
-        with self._darts_handle.weighted(self._darts_weights(darts_task, inputs)):
-            return base_forward(self, *args, **kwargs)
+        self._darts_routing = None
+        try:
+            with self._darts_handle.weighted(self._darts_weights(darts_task, inputs)):
+                output = base_forward(self, *args, **kwargs)
+        finally:
+            self._darts_pending = None  # a forward that failed before the router's layer leaves nothing behind
+        kv = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+        if self._darts_routing is not None and kv is not None:  # a routed prompt: its decoding steps keep the pick
+            self._darts_routes[kv] = self._darts_routing
+        return output
 
 
 @cache

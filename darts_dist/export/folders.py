@@ -14,7 +14,8 @@ from darts_dist.core.modeling_darts import AUTO_MAP, CODE_FILES, MERGED, ROUTED,
 from darts_dist.errors import DartsError
 from darts_dist.export.model_card import correction_card, model_card
 from darts_dist.export.source import ExportSource
-from darts_dist.export.weights import copy_weights
+from darts_dist.calibrate.corrections import load_corrections_for
+from darts_dist.export.weights import INDEX_FILE, copy_weights, weight_files
 from darts_dist.fsutil import atomic_dir
 
 Format = Literal["hf", "correction"]
@@ -22,9 +23,9 @@ FORMATS: tuple[str, ...] = ("hf", "correction")
 # The exported model's code: darts-dist's own modules, which import only torch, transformers, safetensors and
 # each other (relatively), so transformers' dynamic-module loader runs them from the folder.
 CORE = Path(modeling_darts.__file__).absolute().parent
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-RECIPE_FILE = "mergekit_config.yml"
+# Of the merged folder, what the export writes itself; every other file (tokenizer files, chat templates,
+# generation_config.json, the mergekit recipe) goes along as it is.
+REWRITTEN = ("config.json", "README.md", INDEX_FILE)
 
 
 def _check_loadable(merged_dir: Path) -> dict[str, Any]:
@@ -94,7 +95,12 @@ def export_model(source: ExportSource, out: Path, fmt: Format = "hf", task: str 
                          "export a run that calibrated DARTS corrections (`darts-dist calibrate` or `demo`)")
     if out.exists() and not overwrite:
         raise DartsError(f"{out} exists", "pass --overwrite to replace it, or another --out")
+    inputs = [p.absolute() for p in (files.merged_dir, files.corrections, files.router) if p is not None]
+    if any(p == out.absolute() or p.is_relative_to(out.absolute()) for p in inputs):
+        raise DartsError(f"--out {out} holds the files being exported ({files.merged_dir})",
+                         "pass an --out outside the run folder's merged model and corrections")
     config = _check_loadable(files.merged_dir)
+    load_corrections_for(files.corrections, files.merged_dir)  # made for this merged model, or refused now
     settings = darts_settings(source, config["model_type"])
     default = default_task(source, task)
     with atomic_dir(out, overwrite=overwrite) as folder:
@@ -104,9 +110,11 @@ def export_model(source: ExportSource, out: Path, fmt: Format = "hf", task: str 
             (folder / "README.md").write_text(correction_card(source, settings, out.name))
             return out
         copy_weights(files.merged_dir, folder)
-        for name in (*TOKENIZER_FILES, "generation_config.json", RECIPE_FILE):
-            if (files.merged_dir / name).is_file():
-                shutil.copyfile(files.merged_dir / name, folder / name)
+        weights = {path.name for path in weight_files(files.merged_dir)}
+        for path in files.merged_dir.iterdir():
+            if path.name in weights or path.name in REWRITTEN or path.name.startswith("."):
+                continue
+            (shutil.copytree if path.is_dir() else shutil.copyfile)(path, folder / path.name)
         _write_json(folder / "config.json", {**config, "model_type": "darts", "architectures": ["DartsForCausalLM"],
                                              "auto_map": AUTO_MAP, "darts": settings, "darts_task": default})
         (folder / "README.md").write_text(model_card(source, settings, default, out.name))

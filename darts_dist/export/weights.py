@@ -1,5 +1,5 @@
 """The merged weights in transformers' layout: one model.safetensors up to 5 GB, else shards of at most 5 GB
-with model.safetensors.index.json, as `save_pretrained` writes them. Tensors are streamed one at a time."""
+with model.safetensors.index.json, as `save_pretrained` writes them. One shard is in memory at a time."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-             "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+             "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BOOL": 1}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
