@@ -289,6 +289,43 @@ def cmd_register(args: argparse.Namespace) -> None:
                 args.report, args.report)
 
 
+def _gib(value: int) -> str:
+    return f"{value / (1 << 30):.2f}"
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from darts_dist.plan import build_plan
+    from darts_dist.plan.cluster import gpu_memory, problems, read_nodes
+
+    config = command_config(args.config, args)
+    plan = build_plan(config)
+    shapes = {"merged (the base's shape)": plan.merged, **{f"expert {t}": s for t, s in plan.experts.items()}}
+    print_tables([("models (from config.json, meta device)",
+                   ["model", "parameters", "GiB fp32", "GiB bf16", "KV MiB/token bf16"],
+                   [[name, f"{s.parameters:,}", _gib(s.weight_bytes("float32")), _gib(s.weight_bytes("bfloat16")),
+                     f"{s.kv_bytes_per_token('bfloat16') / (1 << 20):.3f}"] for name, s in shapes.items()])])
+    parts = sorted({part for role in plan.roles for part in role.memory})
+    print_tables([("roles: GiB per instance", ["role", "count", "device", "resources", *parts, "total"],
+                   [[r.name, str(r.count), r.device, ", ".join(f"{k} {v:g}" for k, v in r.bundle.items() if v),
+                     *(_gib(r.memory[p]) if p in r.memory else "-" for p in parts), _gib(r.bytes)]
+                    for r in plan.roles])])
+    console.print(f"corrections: {plan.correction_parameters:,} parameters, {plan.correction_share:.3%} of the "
+                  "model's")
+    if args.address is None and args.resources is None:
+        console.print("no cluster given (--address or --resources): fit not checked")
+        return
+    nodes = read_nodes(args.address, args.resources)
+    gpu_bytes, said = gpu_memory(nodes, args.gpu_memory)
+    console.print(f"cluster: {len(nodes)} node(s), {sum(n.get('CPU', 0) for n in nodes):g} CPUs, "
+                  f"{sum(n.get('GPU', 0) for n in nodes):g} GPUs of {said}")
+    found = problems(plan.roles, nodes, gpu_bytes)
+    if found:
+        raise DartsError("the cluster cannot hold this run:\n    " + "\n    ".join(found),
+                         "add nodes or GPUs, ask for fewer (cluster.num_workers, expert_resources, serve.num_replicas), "
+                         "or lower dtypes and batch sizes")
+    console.print("fits: every phase's actors find a node" + ("" if gpu_bytes else "; GPU memory not checked"))
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from darts_dist.export import export_model, read_source
 
@@ -440,6 +477,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--name", default=None, help="model name in the served ids (default: the registered name)")
         p.add_argument("--corrections", type=Path, default=None, help="corrections file, for a merged model folder")
         p.add_argument("--router", type=Path, default=None, help="router file, for a merged model folder")
+
+    plan = command("plan", "what each role of a run holds (from config.json files alone, no weights) and whether "
+                   "a cluster has room for it", cmd_plan)
+    plan.add_argument("config", type=Path)
+    where = plan.add_mutually_exclusive_group()
+    where.add_argument("--address", default=None, help="a running Ray cluster to check against (ADDR or auto)")
+    where.add_argument("--resources", type=Path, default=None, metavar="FILE",
+                       help="a JSON/YAML file shaped like ray.cluster_resources(), or a list of them (one per node)")
+    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                      help="one GPU's memory (default: from the nodes' accelerator_type, else not checked)")
 
     export = command("export", "write the corrected model as a Hugging Face folder that transformers loads without "
                      "darts-dist (--format hf), or its correction alone (--format correction)", cmd_export)

@@ -64,7 +64,8 @@ def demo_reproduction(evaluation: Mapping[str, object]) -> tuple[dict[str, objec
     return check, reproduction_line(check)
 
 
-def _resolve_model(ref: str) -> Path:
+def resolve_model(ref: str) -> Path:
+    """The local folder a model source names (bundled:, tiny:, demo: or a path), made on first use."""
     scheme, _, name = ref.partition(":")
     if ref == BUNDLED_MODEL:
         return bundled_model_dir()
@@ -138,8 +139,8 @@ def resolve_sources(config: RunConfig) -> ResolvedSources:
         if files.traffic is not None and not files.traffic.is_file():
             raise DartsError(f"traffic file {files.traffic} does not exist",
                              "remove data.traffic, or recalibrate with --from-traffic again")
-    base = _resolve_model(config.sources.base)
-    experts = {e.task: _resolve_model(e.path) for e in config.sources.experts}
+    base = resolve_model(config.sources.base)
+    experts = {e.task: resolve_model(e.path) for e in config.sources.experts}
     # A PEFT LoRA adapter becomes a full-weight expert first: mergekit merges full models.
     experts = {
         task: materialize_adapter(path, base) if (path / "adapter_config.json").is_file() else path

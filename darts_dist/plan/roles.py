@@ -1,0 +1,124 @@
+"""What each Ray role of a run holds, in bytes, from the config and the models' shapes: the expert actors and
+training workers of calibration, the evaluation actors, the serving replicas, and the driver.
+
+Estimates, on purpose simple: weights (parameters × the role's dtype), the forward's largest transient tensors
+(logits B·S·V, the hidden states the loss reads, one decoder layer's activations), the KV cache a generation may
+grow to, the worker's feature store (up to `cluster.feature_memory_mb`, the rest spills to disk), and Adam's state
+for the trained parameters (16 bytes each: fp32 value, gradient and two moments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from darts_dist.calibrate.layers import concrete_layers
+from darts_dist.calibrate.ray.placement import Bundle, expert_bundle, worker_bundle
+from darts_dist.config import RunConfig
+from darts_dist.core import CorrectionSpec, expected_parameter_count
+from darts_dist.evaluate.on_ray import uses_ray
+from darts_dist.plan.shapes import ModelShape
+
+TOKEN_ROW_BYTES = 17  # input ids and attention mask (int64) and the response mask (bool) of a token
+ADAM_BYTES = 16  # per trained parameter: fp32 value, gradient, two moments
+LONGEST_ANSWER = 192  # the longest answer a darts-dist scorer asks for (HumanEval's), when the config names none
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    phase: str  # calibration, evaluation, serving or driver: roles of one phase run at once
+    count: int
+    bundle: Bundle  # Ray resources of one instance
+    memory: dict[str, int] = field(default_factory=dict)  # one instance's bytes by what holds them
+
+    @property
+    def device(self) -> str:
+        return "GPU" if self.bundle.get("GPU", 0) > 0 else "CPU"
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.memory.values())
+
+
+def surgery_layer_count(config: RunConfig, num_layers: int) -> int:
+    """Surgery layers; "changed" counts every decoder layer (which ones changed needs the weights)."""
+    return len(concrete_layers(config.calibration.layers, num_layers, lambda: range(num_layers)))
+
+
+def correction_parameters(config: RunConfig, shape: ModelShape) -> int:
+    c = config.calibration
+    spec = CorrectionSpec(tuple(config.tasks), shape.hidden_size, c.rank, c.max_positions, c.position_bias,
+                          c.position_rank)
+    return expected_parameter_count(spec, surgery_layer_count(config, shape.num_layers))
+
+
+def _forward(shape: ModelShape, rows: int, length: int, itemsize: int) -> int:
+    """One decoder layer's largest activations: attention in and out (4·d) and the MLP's two halves (2·I)."""
+    return rows * length * (4 * shape.hidden_size + 2 * shape.intermediate_size) * itemsize
+
+
+def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> list[Role]:
+    c, cluster = config.calibration, config.cluster
+    dtype = c.dtype if cluster.use_gpu else "float32"  # the CPU computes fp32
+    item = 2 if dtype != "float32" else 4
+    B, S, d = c.batch_size, c.max_length, merged.hidden_size
+    loss_layers = 1 if c.loss_at == "last" else surgery_layer_count(config, merged.num_layers)
+    roles = []
+    for task, shape in experts.items():
+        roles.append(Role(f"expert actor ({task})", "calibration", 1, expert_bundle(cluster), {
+            "weights": shape.weight_bytes(dtype),
+            "activations": (B * S * shape.vocab_size * item + S * shape.vocab_size * 4
+                            + loss_layers * B * S * d * 4 + _forward(shape, B, S, item)),
+        }))
+    workers = cluster.num_workers
+    rows = len(config.tasks) * c.num_samples / workers
+    per_token = TOKEN_ROW_BYTES + 4 + (loss_layers + 1) * d * 4  # + entropy, targets and the merged state, fp32
+    trained = correction_parameters(config, merged)
+    share = workers if cluster.zero_stage == 3 else 1  # ZeRO-3 partitions the frozen model and the optimizer
+    roles.append(Role("calibration worker", "calibration", workers, worker_bundle(cluster), {
+        "weights": merged.weight_bytes(dtype) // share + trained * 4,
+        "optimizer": trained * (ADAM_BYTES - 4) // (workers if cluster.zero_stage >= 1 else 1),
+        "feature store": min(int(rows * S * per_token), cluster.feature_memory_mb << 20),
+        "activations": _forward(merged, B, S, item) + (loss_layers + 2) * B * S * d * 4,
+    }))
+    return roles
+
+
+def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> list[Role]:
+    """The evaluation actors (one model each) when evaluation runs on Ray; else the driver holds them (driver_role)."""
+    if not uses_ray(config):
+        return []
+    e, c = config.evaluation, config.calibration
+    dtype = c.dtype if config.cluster.use_gpu else "float32"
+    item = 2 if dtype != "float32" else 4
+    answer = e.max_new_tokens or LONGEST_ANSWER
+    models = {"merged": merged, **experts, **({"base": merged} if e.score_base else {})}
+    return [Role(f"evaluation actor ({name})", "evaluation", 1, expert_bundle(config.cluster), {
+        "weights": shape.weight_bytes(dtype),
+        "kv cache": e.generation_batch_size * (c.max_length + answer) * shape.kv_bytes_per_token(dtype),
+        "activations": c.batch_size * c.max_length * shape.vocab_size * item + _forward(shape, c.batch_size,
+                                                                                       c.max_length, item),
+    }) for name, shape in models.items()]
+
+
+def serving_role(config: RunConfig, merged: ModelShape) -> Role:
+    s = config.serve
+    dtype = s.dtype if s.use_gpu else "float32"
+    replicas = s.autoscaling_config.get("max_replicas", s.num_replicas) if s.autoscaling_config else s.num_replicas
+    kv = merged.kv_bytes_per_token(dtype)
+    return Role("serving replica", "serving", replicas, {"CPU": s.num_cpus, "GPU": 1.0 if s.use_gpu else 0.0}, {
+        "weights": merged.weight_bytes(dtype) + correction_parameters(config, merged) * 4,
+        "kv cache": (s.max_batch_tokens + s.prefix_cache_tokens) * kv,
+        "activations": s.max_batch_size * merged.vocab_size * 4 + _forward(merged, s.max_batch_size, 1, 4),
+    })
+
+
+def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> Role:
+    """The driver (the head node): tokenised calibration sets, the router's held-out check (the merged model on
+    the driver's CPU today), and, when evaluation does not run on Ray, the in-process evaluation's models."""
+    c = config.calibration
+    memory = {"calibration rows": len(config.tasks) * c.num_samples * c.max_length * TOKEN_ROW_BYTES,
+              "weights": merged.weight_bytes("float32")}
+    if not uses_ray(config):  # the merged model and one other at a time
+        memory["weights"] += max(shape.weight_bytes("float32") for shape in experts.values())
+    return Role("driver", "driver", 1, {"CPU": 1.0}, memory)

@@ -1,0 +1,152 @@
+"""`darts-dist plan`: model sizes from config.json alone (meta device), each role's memory, and whether a cluster
+holds the run, refused with error/fix and exit 2 before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow_server import free_port
+from transformers import AutoModelForCausalLM
+
+from darts_dist.cli import main
+from darts_dist.config import load_config
+from darts_dist.plan import build_plan
+from darts_dist.plan.cluster import GIB, problems, unplaced
+from darts_dist.plan.shapes import model_config, shape_of
+
+REPO = Path(__file__).absolute().parent.parent
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+             "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def llama2_7b(tmp_path: Path) -> Path:
+    """The shipped 7B example with its four models as folders holding Llama-2-7B's config.json alone."""
+    text = (REPO / "jobs" / "configs" / "llama2-7b.yaml").read_text().replace("/mnt/models", str(tmp_path / "models"))
+    for expert in yaml.safe_load(text)["sources"]["experts"] + [{"path": yaml.safe_load(text)["sources"]["base"]}]:
+        Path(expert["path"]).mkdir(parents=True, exist_ok=True)
+        (Path(expert["path"]) / "config.json").write_text(json.dumps(LLAMA2_7B))
+    path = tmp_path / "llama2-7b.yaml"
+    path.write_text(text)
+    return path
+
+
+def nodes_file(tmp_path: Path, *nodes: dict) -> Path:
+    path = tmp_path / "nodes.json"
+    path.write_text(json.dumps(list(nodes)))
+    return path
+
+
+def test_llama2_7b_sizes_from_its_config_alone(llama2_7b: Path) -> None:
+    plan = build_plan(load_config(llama2_7b))
+    assert plan.merged.weight_bytes("bfloat16") == pytest.approx(13.5e9, rel=0.01)  # 6.74 B parameters
+    assert plan.merged.kv_bytes_per_token("bfloat16") == 512 * 1024  # 2 · 32 layers · 4096 · 2 bytes
+    assert plan.correction_share == pytest.approx(0.001, rel=0.05)  # the paper's 0.1%
+    expert = next(role for role in plan.roles if role.name.startswith("expert actor"))
+    assert expert.device == "GPU" and expert.memory["weights"] == plan.merged.weight_bytes("bfloat16")
+
+
+def test_the_parameter_count_is_the_models_own(tiny_family) -> None:
+    shape = shape_of(model_config(str(tiny_family.base)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_family.base)
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
+    assert shape.kv_values_per_token == 2 * 4 * 2 * 16  # layers · KV heads · head size, keys and values
+
+
+def test_a_five_gpu_plan_on_four_gpus_is_refused_in_seconds(llama2_7b: Path, tmp_path: Path, capsys) -> None:
+    resources = nodes_file(tmp_path, {"CPU": 8}, {"CPU": 48, "GPU": 4, "gpu_node": 4, "accelerator_type:A100": 1})
+    start = time.monotonic()
+    assert main(["plan", str(llama2_7b), "--resources", str(resources)]) == 2
+    assert time.monotonic() - start < 60
+    err = capsys.readouterr().err
+    assert "calibration: expert actor" in err and "(5 in all)" in err and "fix:" in err
+    assert "evaluation:" in err  # base, three experts and the merge: five actors of one GPU each
+
+
+def test_a_plan_with_room_fits_and_a_small_gpu_is_refused(llama2_7b: Path, tmp_path: Path, capsys) -> None:
+    gpus = {"CPU": 48, "GPU": 4, "gpu_node": 4}
+    roomy = nodes_file(tmp_path, {"CPU": 8}, {**gpus, "accelerator_type:A100": 1}, {**gpus, "accelerator_type:A100": 1})
+    assert main(["plan", str(llama2_7b), "--resources", str(roomy)]) == 0
+    assert "fits" in capsys.readouterr().out
+    small = nodes_file(tmp_path, {"CPU": 8}, {**gpus, "accelerator_type:T4": 1}, {**gpus, "accelerator_type:T4": 1})
+    assert main(["plan", str(llama2_7b), "--resources", str(small)]) == 2
+    err = capsys.readouterr().err
+    assert "GiB on a GPU" in err and "16 GiB" in err  # a 7B expert in bf16 is 12.6 GiB before its forward
+
+
+def test_no_two_actors_share_a_whole_gpu() -> None:
+    worker = {"CPU": 1, "GPU": 1}
+    assert unplaced([("a", worker), ("b", worker)], [{"CPU": 4, "GPU": 1}]) == [("b", worker)]
+    half = {"CPU": 1, "GPU": 0.5}
+    assert unplaced([("a", half), ("b", half)], [{"CPU": 4, "GPU": 1}]) == []
+
+
+def test_a_fractional_gpu_counts_its_neighbours_memory(llama2_7b: Path) -> None:
+    plan = build_plan(load_config(llama2_7b))
+    expert = next(role for role in plan.roles if role.name.startswith("expert actor"))
+    shared = type(expert)(expert.name, expert.phase, 1, {**expert.bundle, "GPU": 0.5}, expert.memory)
+    assert problems([expert], [{"CPU": 8, "GPU": 1, "gpu_node": 1}], 24 * GIB) == []
+    assert "GiB on a GPU" in problems([shared], [{"CPU": 8, "GPU": 1, "gpu_node": 1}], 24 * GIB)[0]
+
+
+@pytest.mark.parametrize("case, expected", [("no-config", "has no config.json"),
+                                            ("bad-resources", "not shaped like ray.cluster_resources")])
+def test_bad_input_is_refused(llama2_7b: Path, tmp_path: Path, capsys, case: str, expected: str) -> None:
+    args = ["plan", str(llama2_7b)]
+    if case == "no-config":
+        (tmp_path / "models" / "WizardMath-7B-V1.0" / "config.json").unlink()
+    else:
+        (tmp_path / "bad.json").write_text(json.dumps({"CPU": "many"}))
+        args += ["--resources", str(tmp_path / "bad.json")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "fix:" in err
+
+
+def stop_processes(pattern: str, grace_s: float = 10.0) -> None:
+    """SIGTERM to the processes whose command line holds `pattern`, SIGKILL to those left after `grace_s`."""
+    def left() -> bool:
+        return bool(subprocess.run(["pgrep", "-f", pattern], capture_output=True).stdout)
+
+    subprocess.run(["pkill", "-f", pattern], timeout=60)
+    deadline = time.monotonic() + grace_s
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if left():
+        subprocess.run(["pkill", "-9", "-f", pattern], timeout=60)
+        time.sleep(1)
+    assert not left(), f"processes of {pattern} left running"
+
+
+@pytest.mark.slow
+def test_a_live_cluster_with_four_fake_gpus_is_asked(llama2_7b: Path) -> None:
+    """A Ray head started with 4 GPUs it does not have (Ray takes the count as given): the plan reads its nodes,
+    and the 7B example's five GPU actors do not fit."""
+    folder = tempfile.mkdtemp(prefix="dd-", dir="/tmp")  # Ray's socket paths must stay short
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        started = subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+                                  "--num-cpus=64", "--num-gpus=4", '--resources={"gpu_node": 4}',
+                                  "--include-dashboard=false", f"--temp-dir={folder}"],
+                                 env=env, capture_output=True, text=True, timeout=300)
+        assert started.returncode == 0, started.stderr[-2000:]
+        result = subprocess.run([sys.executable, "-m", "darts_dist.cli", "plan", str(llama2_7b), "--address",
+                                 f"127.0.0.1:{port}", "--gpu-memory", "80"],
+                                env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "1 node(s), 64 CPUs, 4 GPUs of 80 GiB" in result.stdout
+        assert "(5 in all)" in result.stderr and "fix:" in result.stderr
+    finally:
+        stop_processes(folder + "/")
