@@ -374,6 +374,14 @@ class RunConfig(_Section):
             raise ValueError(f"calibration.tasks names {unknown}, which no expert has; experts' tasks: {sorted(tasks)}")
         if self.calibration.position_rank is not None and self.calibration.position_bias == "none":
             raise ValueError("calibration.position_rank is set but calibration.position_bias is 'none'")
+        device, on_ray = self.calibration.device, self.cluster.executor == "ray"
+        if self.cluster.use_gpu and device == "cpu":
+            raise ValueError("cluster.use_gpu gives every actor a GPU, but calibration.device: cpu computes on the "
+                             "CPU: set calibration.device auto (or cuda), or cluster.use_gpu false")
+        if on_ray and not self.cluster.use_gpu and device.startswith("cuda") and "GPU" not in \
+                self.cluster.expert_resources:
+            raise ValueError(f"calibration.device: {device} on Ray needs GPUs for the actors: set cluster.use_gpu "
+                             "true (Ray gives an actor no GPU it did not ask for)")
         return self
 
     @property

@@ -13,6 +13,7 @@ import yaml
 
 from darts_dist.calibrate.ray.placement import custom_resources, job_bundles
 from darts_dist.config import load_config, parse_config
+from darts_dist.plan.cluster import unplaced
 
 REPO = Path(__file__).absolute().parent.parent
 JOB_COMMANDS = ("merge", "calibrate", "recalibrate", "evaluate", "register", "serve-deploy")
@@ -20,19 +21,6 @@ JOB_COMMANDS = ("merge", "calibrate", "recalibrate", "evaluate", "register", "se
 
 def load_all(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
-def unplaced(bundles: list[dict[str, float]], nodes: list[dict[str, float]]) -> list[dict[str, float]]:
-    """The bundles that find no room when each goes, most demanding first, to the first node with room left:
-    a static check of a cluster file's largest shape (a job asks Ray itself, with placement groups)."""
-    free, left = [dict(node) for node in nodes], []
-    for bundle in sorted(bundles, key=lambda b: sorted(b.values(), reverse=True), reverse=True):
-        node = next((n for n in free if all(n.get(k, 0) >= v for k, v in bundle.items())), None)
-        if node is None:
-            left.append(bundle)
-        else:
-            node.update({k: node.get(k, 0) - v for k, v in bundle.items()})
-    return left
 
 
 def resources_of(start_params: dict) -> dict[str, float]:
@@ -54,7 +42,7 @@ def test_the_launcher_yaml_has_a_cpu_head_and_gpu_workers_for_the_llama_job() ->
     # At its largest, the cluster holds every expert actor and calibration worker of the llama config.
     config = load_config(REPO / "jobs" / "configs" / "llama2-7b.yaml")
     nodes = [head["resources"]] + [t["resources"] for t in workers for _ in range(t["max_workers"])]
-    assert unplaced(job_bundles(config.cluster, len(config.tasks)), nodes) == []
+    assert unplaced([("actor", b) for b in job_bundles(config.cluster, len(config.tasks))], nodes) == []
     assert any("--head" in command for command in cluster["head_start_ray_commands"])
 
 
@@ -90,7 +78,7 @@ def test_kuberay_cluster_and_job_fit_the_config_they_carry() -> None:
         node = {"CPU": float(container["resources"]["limits"]["cpu"]), "GPU": gpus, **resources_of(group["rayStartParams"])}
         nodes += [node] * group["maxReplicas"]
     bundles = job_bundles(config.cluster, len(config.tasks))
-    assert unplaced(bundles, nodes) == []
+    assert unplaced([("actor", bundle) for bundle in bundles], nodes) == []
     assert set(custom_resources(bundles)) <= {k for n in nodes for k in n}
     # Every image is the one cluster/Dockerfile builds, at this version.
     images = {c["image"] for spec in (head, *(g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]))

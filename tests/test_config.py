@@ -53,6 +53,8 @@ def test_defaults_and_relative_paths_resolve_against_the_config(tmp_path: Path, 
         ({"serve": {"max_request_bytes": 0}}, "serve.max_request_bytes", "greater than 0"),
         ({"serve": {"request_timeout_s": -1}}, "serve.request_timeout_s", "greater than 0"),
         ({"calibration": {"tasks": {"chat": {"beta": 0}}}}, "(top level)", "no expert has"),
+        ({"cluster": {"use_gpu": True}, "calibration": {"device": "cpu"}}, "(top level)", "calibration.device: cpu"),
+        ({"cluster": {"executor": "ray"}, "calibration": {"device": "cuda"}}, "(top level)", "set cluster.use_gpu"),
         ({"bogus": 1}, "bogus", "unknown key"),
     ],
 )

@@ -29,15 +29,26 @@ LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "tie_word_embeddings": False}
 
 
+def llama_example(tmp_path: Path, name: str = "llama2-7b.yaml") -> Path:
+    """A shipped 7B example with its four models as folders holding Llama-2-7B's config.json alone."""
+    text = (REPO / "jobs" / "configs" / name).read_text().replace("/mnt/models", str(tmp_path / "models"))
+    sources = yaml.safe_load(text)["sources"]
+    for path in [sources["base"], *(expert["path"] for expert in sources["experts"])]:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "config.json").write_text(json.dumps(LLAMA2_7B))
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
 @pytest.fixture
 def llama2_7b(tmp_path: Path) -> Path:
-    """The shipped 7B example with its four models as folders holding Llama-2-7B's config.json alone."""
-    text = (REPO / "jobs" / "configs" / "llama2-7b.yaml").read_text().replace("/mnt/models", str(tmp_path / "models"))
-    for expert in yaml.safe_load(text)["sources"]["experts"] + [{"path": yaml.safe_load(text)["sources"]["base"]}]:
-        Path(expert["path"]).mkdir(parents=True, exist_ok=True)
-        (Path(expert["path"]) / "config.json").write_text(json.dumps(LLAMA2_7B))
-    path = tmp_path / "llama2-7b.yaml"
-    path.write_text(text)
+    """The 7B example as it shipped before the plan: 3 experts and 2 workers (5 GPUs), evaluation on 5 GPUs."""
+    path = llama_example(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["cluster"] |= {"num_workers": 2, "zero_stage": 3}
+    config["evaluation"] = {}
+    path.write_text(yaml.safe_dump(config))
     return path
 
 
@@ -82,6 +93,21 @@ def test_a_plan_with_room_fits_and_a_small_gpu_is_refused(llama2_7b: Path, tmp_p
     assert main(["plan", str(llama2_7b), "--resources", str(small)]) == 2
     err = capsys.readouterr().err
     assert "GiB on a GPU" in err and "16 GiB" in err  # a 7B expert in bf16 is 12.6 GiB before its forward
+
+
+@pytest.mark.parametrize("name, gpus, gib", [("llama2-7b.yaml", 4, 48), ("llama2-7b-24gb.yaml", 8, 24)])
+def test_the_shipped_7b_examples_fit_the_gpus_they_name(tmp_path: Path, name: str, gpus: int, gib: int) -> None:
+    """llama2-7b.yaml on one node of the launcher's 4 × 48 GB GPUs (cluster/ray-cluster.yaml), and the 24 GB example
+    on one node of 8 × 24 GB: every phase fits, with GPU memory to spare for each role."""
+    launcher = yaml.safe_load((REPO / "cluster" / "ray-cluster.yaml").read_text())["available_node_types"]
+    gpu_node = next(t["resources"] for t in launcher.values() if t["resources"].get("GPU"))
+    node = {**gpu_node, "GPU": gpus, "gpu_node": gpus, "CPU": max(gpu_node["CPU"], 12 * gpus)}
+    plan = build_plan(load_config(llama_example(tmp_path, name)))
+    assert problems(plan.roles, [{"CPU": 8}, node], gib * GIB) == []
+    # The phase that needs the most GPUs at once: with one GPU fewer than that it does not fit.
+    most = max(sum(r.count * r.bundle.get("GPU", 0) for r in plan.roles if r.phase == phase)
+               for phase in ("calibration", "evaluation", "serving"))
+    assert most <= gpus and problems(plan.roles, [{"CPU": 8}, {**node, "GPU": most - 1}], gib * GIB) != []
 
 
 def test_no_two_actors_share_a_whole_gpu() -> None:

@@ -478,6 +478,7 @@ def test_a_bounded_mixed_load_gets_no_5xx_and_no_lost_responses(server) -> None:
 def test_with_capture_off_no_prompt_is_written(server) -> None:
     """The module's server captures nothing (serve.capture is opt-in), though it has answered every test's requests."""
     assert health(server)["capture"] is False
+    assert (health(server)["device"], health(server)["warnings"]) == ("cpu", [])  # asked for no GPU: no warning
     assert not (server.folder / "traffic").exists()  # where capture.dir would put them, relative to its folder
     assert not list(server.folder.rglob("capture-*.jsonl"))
 

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from darts_dist.config import ServeSection
 from darts_dist.errors import DartsError
@@ -145,3 +146,15 @@ def test_serve_bounds_that_would_refuse_every_large_request_are_refused_at_valid
     with pytest.raises(ValueError, match="max_queued_requests"):
         ServeSection(max_queued_requests=0)
     assert ServeSection(max_waiting_sequences=32, max_prompts_per_request=16).max_waiting_sequences == 32
+
+
+def test_a_replica_given_a_gpu_it_cannot_find_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from darts_dist.config import ServeSection
+    from darts_dist.serve.app import replica_device
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert replica_device(ServeSection()) == (torch.device("cpu"), None)
+    device, warning = replica_device(ServeSection(use_gpu=True))
+    assert device == torch.device("cpu") and "finds no CUDA device" in warning
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert replica_device(ServeSection(use_gpu=True)) == (torch.device("cuda"), None)

@@ -174,6 +174,17 @@ async def _unexpected(request: Request, error: Exception) -> JSONResponse:
     return await _api_error(request, internal_error(logger, f"{request.method} {request.url.path} failed"))
 
 
+def replica_device(settings: ServeSection) -> tuple[torch.device, str | None]:
+    """Where a replica runs the model, and a warning when `serve.use_gpu` gave it a GPU resource but this process
+    finds no CUDA device (a driver or image without CUDA): it then serves from the CPU, in fp32, and says so."""
+    if not settings.use_gpu:
+        return torch.device("cpu"), None
+    if torch.cuda.is_available():
+        return torch.device("cuda"), None
+    return torch.device("cpu"), ("serve.use_gpu is set, but this replica finds no CUDA device: serving from the CPU "
+                                 "in fp32 (check the node's driver and the image's CUDA build of torch)")
+
+
 @serve.deployment(max_constructor_retry_count=2)
 @serve.ingress(api)
 class DartsServer:
@@ -182,7 +193,10 @@ class DartsServer:
     def __init__(self, source: ModelSource, settings: ServeSection, api_key: str | None = None) -> None:
         started = time.monotonic()
         files = source.fetch()
-        device = torch.device("cuda" if settings.use_gpu and torch.cuda.is_available() else "cpu")
+        device, warning = replica_device(settings)
+        self.device, self.warnings = device, [warning] if warning else []
+        if warning:
+            logger.warning(warning)
         self.lm = CorrectedLM.load(
             files.merged_dir, files.corrections, device=device, dtype=model_dtype(settings.dtype, device),
             router_path=files.router, threshold=settings.router_threshold,
@@ -218,7 +232,8 @@ class DartsServer:
             return {"status": "ok"}
         stats = self.engine.stats()
         return {"status": "ok", "model": self.name, "model_version": self.version, "load_s": round(self.load_s, 2),
-                "capture": self.capture is not None, **dataclasses.asdict(stats)}
+                "device": self.device.type, "warnings": self.warnings, "capture": self.capture is not None,
+                **dataclasses.asdict(stats)}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
