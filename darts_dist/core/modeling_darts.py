@@ -53,6 +53,15 @@ _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revi
 _NO_CORRECTION, _ROUTE = -1, -2
 
 
+def darts_section(base_model_type: str, tasks: Sequence[str], layers: Sequence[str | int], routed: bool,
+                  threshold: float | None, soft_routing: bool) -> dict[str, Any]:
+    """config.json's `darts` section (a correction folder's darts_correction.json): where the corrections and router
+    are, and how routed sequences are routed."""
+    return {"base_model_type": base_model_type, "tasks": list(tasks), "layers": list(layers),
+            "corrections": CORRECTIONS_FILE, "router": ROUTER_FILE if routed else None,
+            "threshold": threshold if routed else None, "routing": "soft" if soft_routing else "hard"}
+
+
 def _read_tagged(path: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """A darts-dist safetensors file's tensors and JSON header."""
     with safe_open(path, framework="pt") as f:
@@ -130,11 +139,8 @@ class DartsCorrection:
 
     def settings(self, base_model_type: str) -> dict[str, Any]:
         """The `darts` section of a folder holding these corrections."""
-        return {"base_model_type": base_model_type, "tasks": list(self.tasks),
-                "layers": list(self.corrections.layer_keys), "corrections": CORRECTIONS_FILE,
-                "router": ROUTER_FILE if self.router is not None else None,
-                "threshold": self.threshold if self.router is not None else None,
-                "routing": "soft" if self.soft_routing else "hard"}
+        return darts_section(base_model_type, self.tasks, self.corrections.layer_keys, self.router is not None,
+                             self.threshold, self.soft_routing)
 
     def apply(self, model: PreTrainedModel, task: str | None = None) -> PreTrainedModel:
         """Put the corrections on `model` (a merged model of the shape they were trained for) and return it, now

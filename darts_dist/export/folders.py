@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from darts_dist.config import CORRECTIONS_FILE
 from darts_dist.core import ROUTER_FILE, TaskRouter, modeling_darts, read_header
-from darts_dist.core.modeling_darts import AUTO_MAP, CODE_FILES, MERGED, ROUTED, SETTINGS_FILE
+from darts_dist.core.modeling_darts import AUTO_MAP, CODE_FILES, MERGED, ROUTED, SETTINGS_FILE, darts_section
 from darts_dist.errors import DartsError
 from darts_dist.export.model_card import correction_card, model_card
 from darts_dist.export.source import ExportSource
@@ -44,23 +44,16 @@ def _check_loadable(merged_dir: Path) -> dict[str, Any]:
 
 def darts_settings(source: ExportSource, model_type: str) -> dict[str, Any]:
     """The `darts` section: where the corrections and router are, and how routed requests are routed (the run's
-    serve settings, as its server routes)."""
+    serve settings, as its server routes; without them the router's own threshold applies)."""
     files, serve = source.files, source.config.serve if source.config is not None else None
     header = read_header(files.corrections)
-    return {
-        "base_model_type": model_type,
-        "tasks": header["spec"]["tasks"],
-        "layers": header["layers"],
-        "corrections": CORRECTIONS_FILE,
-        "router": ROUTER_FILE if files.router is not None else None,
-        "threshold": serve.router_threshold if serve is not None and files.router is not None else None,
-        "routing": serve.routing if serve is not None else "hard",
-    }
+    return darts_section(model_type, header["spec"]["tasks"], header["layers"], files.router is not None,
+                         serve.router_threshold if serve is not None else None,
+                         serve is not None and serve.routing == "soft")
 
 
-def default_task(source: ExportSource, task: str | None) -> str:
+def default_task(source: ExportSource, tasks: list[str], task: str | None) -> str:
     """The task the model applies when a call names none: `task`, else routed (a run with a router)."""
-    tasks = read_header(source.files.corrections)["spec"]["tasks"]
     task = task or (ROUTED if source.files.router is not None else None)
     if task is None:
         raise DartsError(f"{source.origin} has no task router, so the model cannot route by itself",
@@ -102,7 +95,7 @@ def export_model(source: ExportSource, out: Path, fmt: Format = "hf", task: str 
     config = _check_loadable(files.merged_dir)
     load_corrections_for(files.corrections, files.merged_dir)  # made for this merged model, or refused now
     settings = darts_settings(source, config["model_type"])
-    default = default_task(source, task)
+    default = default_task(source, settings["tasks"], task)
     with atomic_dir(out, overwrite=overwrite) as folder:
         _copy_corrections(source, folder)
         if fmt == "correction":

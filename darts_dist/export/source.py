@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from darts_dist.config import RunConfig, TrackingSection
-from darts_dist.errors import DartsError
-from darts_dist.run_folder import read_run_folder
-from darts_dist.tracking.registry import ModelFiles, fetch_model, model_version
-from darts_dist.tracking.runs import TRACKING_URI_ENV, connect, environment, tracking_uri
+from darts_dist.config import RunConfig
+from darts_dist.serve.model import resolve_model
+from darts_dist.tracking.registry import ModelFiles, model_version
+from darts_dist.tracking.runs import TRACKING_URI_ENV, connect, environment
 
 REPORT_NAMES = ("report.json", "calibration.json")  # what a demo and a calibrate run write
 
@@ -52,15 +51,10 @@ def _registered_evaluation(client: Any, uri: str) -> dict[str, Any] | None:
 
 
 def read_source(source: str, tracking: str | None = None) -> ExportSource:
-    """A run folder (`calibrate` or `demo` output) or models:/NAME@ALIAS, models:/NAME/VERSION."""
-    if source.startswith("models:/"):
-        with environment(**({TRACKING_URI_ENV: tracking} if tracking else {})):
-            client = connect(tracking_uri(TrackingSection().uri))
-        return ExportSource(fetch_model(client, source), _registered_evaluation(client, source), source)
-    folder = Path(source)
-    if not folder.is_dir():
-        raise DartsError(f"{source} is neither a models:/ URI nor a folder",
-                         "pass the folder a `calibrate` or `demo` run wrote (OUTPUT_DIR/NAME), or models:/NAME@ALIAS")
-    run = read_run_folder(folder)
-    files = ModelFiles(folder.absolute().name, run.merged_dir, run.corrections, run.router, run.config)
-    return ExportSource(files, _run_evaluation(folder), str(folder))
+    """A run folder (`calibrate` or `demo` output) or models:/NAME@ALIAS, models:/NAME/VERSION, found as
+    `darts-dist serve` finds what it serves."""
+    served, _ = resolve_model(source, tracking=tracking)
+    if served.registered is not None:
+        return ExportSource(served.fetch(), _registered_evaluation(connect(served.tracking_uri), served.registered),
+                            source)
+    return ExportSource(served.fetch(), _run_evaluation(Path(source)), source)
