@@ -165,7 +165,9 @@ def _print_products(report: dict) -> None:
 
 def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes: dict | None = None) -> None:
     from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
+    from darts_dist.plan.check import check_run
 
+    check_run(config, ("calibration", "evaluation"))
     with _session(config.tracking, config.name, command) as tracking:
         state = prepare(config, tracking)
         state.report.update(notes or {})
@@ -182,6 +184,7 @@ def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes:
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import prepare, run_evaluation
+    from darts_dist.plan.check import check_run
 
     config = command_config(args.config, args)
     corrections = args.corrections or config.run_dir / CORRECTIONS_FILE
@@ -190,6 +193,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     elif not corrections.is_file():
         raise DartsError(f"no corrections at {corrections}",
                          f"run `darts-dist calibrate {args.config}` first, or pass --corrections PATH")
+    check_run(config, ("evaluation",))
     with _session(config.tracking, config.name, "evaluate") as tracking:
         state = prepare(config, tracking)
         print_tables(evaluation_tables(f"{config.name}: held-out, merged vs. corrected",
@@ -209,6 +213,7 @@ def _make_demo_experts(out: Path | None) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> None:
     from darts_dist.pipeline import prepare, register_calibration, run_calibration, run_evaluation
+    from darts_dist.plan.check import check_run
 
     if args.make_experts:
         return _make_demo_experts(args.experts_out)
@@ -221,6 +226,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         raise DartsError("--merge-methods, --tune, --validation-fraction, --seeds and --basic choose what the "
                          "ablation compares",
                          "add --ablate to run the ablation")
+    check_run(config, ("calibration", "evaluation"))
     with _session(config.tracking, config.name, "demo") as tracking:
         state = prepare(config, tracking)
         corrections = run_calibration(state)
@@ -295,6 +301,7 @@ def _gib(value: int) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from darts_dist.plan import build_plan
+    from darts_dist.plan.check import FIX
     from darts_dist.plan.cluster import gpu_memory, problems, read_nodes
 
     config = command_config(args.config, args)
@@ -320,9 +327,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                   f"{sum(n.get('GPU', 0) for n in nodes):g} GPUs of {said}")
     found = problems(plan.roles, nodes, gpu_bytes)
     if found:
-        raise DartsError("the cluster cannot hold this run:\n    " + "\n    ".join(found),
-                         "add nodes or GPUs, ask for fewer (cluster.num_workers, expert_resources, serve.num_replicas), "
-                         "or lower dtypes and batch sizes")
+        raise DartsError("the cluster cannot hold this run:\n    " + "\n    ".join(found), FIX)
     console.print("fits: every phase's actors find a node" + ("" if gpu_bytes else "; GPU memory not checked"))
 
 
@@ -337,18 +342,21 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from darts_dist.serve.access import resolve_api_key
     from darts_dist.serve.app import run_foreground
+    from darts_dist.plan.check import check_serving
     from darts_dist.serve.model import resolve_model, serve_settings
 
     api_key = resolve_api_key(args.api_key, args.api_key_file)
     source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
                                    router=args.router, name=args.name)
     settings = serve_settings(config, args.config, host=args.host, port=args.port)
+    check_serving(source, config, settings, os.environ.get("RAY_ADDRESS"))
     run_foreground(source, settings, api_key, say=console.print)
 
 
 def cmd_serve_deploy(args: argparse.Namespace) -> None:
     from darts_dist.serve.access import resolve_api_key
     from darts_dist.serve.app import follows, start
+    from darts_dist.plan.check import check_serving
     from darts_dist.serve.model import resolve_model, serve_settings
 
     api_key = resolve_api_key(args.api_key, args.api_key_file)
@@ -360,6 +368,7 @@ def cmd_serve_deploy(args: argparse.Namespace) -> None:
     source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
                                    router=args.router, name=args.name)
     settings = serve_settings(config, args.config, host=args.host, port=args.port)
+    check_serving(source, config, settings, address)
     init_ray(address=address)
     url = start(source, settings, api_key, detached=True)
     console.print(f"deployed {source.name} at {url}; it keeps serving on the cluster after this command "

@@ -206,6 +206,9 @@ class ClusterSection(_Section):
     # release them) or added (an autoscaler may be adding nodes), before it fails with a message naming
     # what is missing, rather than hanging.
     resource_wait_s: float = Field(default=120.0, gt=0)
+    # The cluster adds nodes on demand (the Ray cluster launcher's or KubeRay's autoscaler): actors the nodes
+    # cannot hold when a command starts are left to it (waiting resource_wait_s) instead of refused at once.
+    autoscaler: bool = False
     # The Ray Train run: the same run id resumes from its last checkpoint. Default: NAME plus a hash of
     # everything that decides the result, so an unchanged command resumes and a changed one starts afresh.
     run_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
@@ -391,6 +394,12 @@ class RunConfig(_Section):
     @property
     def run_dir(self) -> Path:
         return self.output_dir / self.name
+
+    @property
+    def models_on_gpus(self) -> bool:
+        """Whether the run's models are on GPU actors (Ray with cluster.use_gpu): no model forward then runs on
+        the driver, whose node (a cluster's head) may have no GPU and too little memory for the models."""
+        return self.cluster.executor == "ray" and self.cluster.use_gpu
 
     @property
     def merged_dir(self) -> Path:

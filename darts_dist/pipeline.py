@@ -429,9 +429,14 @@ def register_calibration(state: RunState) -> Registration | None:
         state.report["tracking"]["decision"] = decision
         return None
     corrections = Path(state.report["corrections"])
-    logged = log_pyfunc_model(tracking.uri, run_id, Path(state.report["model"]), corrections,
-                              example_task=config.tasks[0],
-                              router=Path(state.report["router"]["path"]))
+    args = (tracking.uri, run_id, Path(state.report["model"]), corrections, config.tasks[0],
+            Path(state.report["router"]["path"]))
+    if config.models_on_gpus:  # MLflow's check of the logged model loads it: on a GPU, not on the driver
+        from darts_dist.calibrate.ray.remote import run_as_expert
+
+        logged = run_as_expert(config.cluster, "the logged model's check", log_pyfunc_model, *args)
+    else:
+        logged = log_pyfunc_model(*args)
     registration = register_version(
         tracking.client, registered_model_name(config), logged, run_id, config.tracking.alias
     )

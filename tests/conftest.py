@@ -35,6 +35,7 @@ def tiny_tokenizer():
     return build_tiny_tokenizer()
 
 
+FAKE_GPUS = 4
 # The one Ray cluster of this test process, once a test asks for it (`ray_cluster`).
 _SHARED_RAY = {"up": False}
 
@@ -43,10 +44,11 @@ _SHARED_RAY = {"up": False}
 def ray_cluster():
     """One local Ray cluster for every test that runs Ray in this process (a calibration job joins it, as it
     joins any cluster it finds): about 5 s to start, paid once. Logically oversubscribed, since Ray Data
-    next to Ray Train deadlocks on 2 CPUs (DESIGN.md §4), and labelled expert_node for placement tests."""
+    next to Ray Train deadlocks on 2 CPUs (DESIGN.md §4), labelled expert_node for placement tests, and given 4 GPUs
+    it does not have (Ray takes the count as given): a GPU cluster's layout, rehearsed on CPUs (test_fake_gpus)."""
     import ray
 
-    ray.init(num_cpus=8, resources={"expert_node": 1}, include_dashboard=False)
+    ray.init(num_cpus=8, num_gpus=FAKE_GPUS, resources={"expert_node": 1}, include_dashboard=False)
     _SHARED_RAY["up"] = True
     yield
     _SHARED_RAY["up"] = False

@@ -87,7 +87,8 @@ def test_the_ray_evaluation_equals_the_in_process_one(tiny_family, tmp_path: Pat
     assert any((tmp_path / "ray-cache").rglob("*.safetensors"))
 
 
-def test_auto_evaluates_on_ray_only_with_a_gpu_per_model(tiny_family, tmp_path: Path, judged, ray_cluster) -> None:
+def test_auto_evaluates_on_ray_only_with_a_gpu_per_model(tiny_family, tmp_path: Path, judged, ray_cluster,
+                                                         monkeypatch) -> None:
     merged_dir, path, router, want = judged
     config = _config(tiny_family, tmp_path, "auto")
     assert not uses_ray(config)
@@ -95,9 +96,16 @@ def test_auto_evaluates_on_ray_only_with_a_gpu_per_model(tiny_family, tmp_path: 
     assert uses_ray(gpu)
     assert not uses_ray(parse_config(gpu.model_dump(mode="json") | {"cluster": {"use_gpu": True,
                                                                                 "executor": "in-process"}}))
-    # A GPU cluster's config on a cluster without GPUs: auto evaluates in-process, same numbers.
+    # A GPU cluster's config on a cluster without room for its actors (a resource no node has): this machine
+    # holds the tiny models, so auto evaluates in-process, same numbers...
+    missing = parse_config(gpu.model_dump(mode="json") | {"cluster": {
+        "use_gpu": True, "expert_resources": {"no_such_node": 1}, "resource_wait_s": 2}})
     cache = OutputCache(tmp_path / "cache")
-    assert_close(evaluate_stage(gpu, resolve_sources(gpu), merged_dir, path, router, cache), want)
+    assert_close(evaluate_stage(missing, resolve_sources(missing), merged_dir, path, router, cache), want)
+    # ...and where the plan says it cannot hold them, it never evaluates on the driver: it waits, then refuses.
+    monkeypatch.setattr("darts_dist.plan.check.driver_holds_evaluation", lambda config: False)
+    with pytest.raises(DartsError, match="no room for 4 evaluation actors"):
+        evaluate_stage(missing, resolve_sources(missing), merged_dir, path, router, cache)
 
 
 def test_a_model_an_actor_cannot_load_is_reported_as_the_input_error(

@@ -99,6 +99,40 @@ def _labelled_features(
     return torch.cat(features), torch.cat(labels)
 
 
+def merged_model(config: RunConfig, merged_dir: Path,
+                 model: PreTrainedModel | None = None) -> Callable[[], PreTrainedModel]:
+    """The merged model on the calibration's device, loaded on the first call (`model` if the caller holds it)."""
+    loaded = [] if model is None else [model]
+
+    def merged() -> PreTrainedModel:
+        if not loaded:
+            device = resolve_device(config.calibration.device)
+            loaded.append(load_causal_lm(merged_dir, dtype=model_dtype(config.calibration.dtype, device),
+                                         device=device))
+        return loaded[0]
+
+    return merged
+
+
+def split_features(
+    config: RunConfig, data: Mapping[str, TaskFiles], merged_dir: Path, layer: LayerKey, split: str,
+    known: Mapping[str, Tensor], merged: Callable[[], PreTrainedModel] | None = None,
+) -> tuple[Tensor, Tensor, dict[str, int]]:
+    """Labelled features of every task's `split` prompts (calibration or held-out) and the output cache's counts:
+    `known` tasks' as given, the rest from the merged model (`merged()`, by default loaded on first need)."""
+    settings, tasks = config.calibration, config.tasks
+    tokenizer = load_tokenizer(merged_dir)
+    device = resolve_device(settings.device)
+    cache = OutputCache() if config.evaluation.cache else None
+    identity = model_identity(merged_dir, model_dtype(settings.dtype, device), device) if cache is not None else ""
+    merged = merged or merged_model(config, merged_dir)
+    prompts = {task: task_prompts(data[task], split, config, tokenizer) for task in tasks
+               if task not in known and (split != "heldout" or data[task].heldout is not None)}
+    features, labels = _labelled_features(tasks, prompts, known, merged, tokenizer, layer, settings.batch_size, cache,
+                                          identity)
+    return features.cpu(), labels, cache.counts() if cache is not None else {"hits": 0, "misses": 0}
+
+
 def fit_run_router(
     config: RunConfig, data: Mapping[str, TaskFiles], merged_dir: Path, layer: LayerKey,
     model: PreTrainedModel | None = None, calibration_features: Mapping[str, Tensor] | None = None,
@@ -107,30 +141,27 @@ def fit_run_router(
 
     `calibration_features`: tasks' prompt features at `layer` that calibration pooled from its own merged
     forwards (`CalibrationOutcome.prompt_features`); the merged model runs only for the other tasks' prompts.
+    With the models on GPU actors (`config.models_on_gpus`) it runs in a Ray task with an expert actor's
+    resources, never on the driver (a cluster's head: no GPU, and a 7B model in fp32 is 27 GB).
 
     With held-out data (of any task) the report has `accuracy` (top task = true task, whatever the
     confidence), `per_task`, and `below_threshold` (the share of held-out prompts that would get no
     correction).
     """
-    settings, tasks = config.calibration, config.tasks
-    path = config.run_dir / ROUTER_FILE
-    tokenizer = load_tokenizer(merged_dir)
-    device = resolve_device(settings.device)
-    dtype = model_dtype(settings.dtype, device)
-    cache = OutputCache() if config.evaluation.cache else None
-    identity = model_identity(merged_dir, dtype, device) if cache is not None else ""
-    loaded = [] if model is None else [model]  # a caller that holds the merged model already passes it
-
-    def merged() -> PreTrainedModel:
-        if not loaded:
-            loaded.append(load_causal_lm(merged_dir, dtype=dtype, device=device))
-        return loaded[0]
+    tasks, path = config.tasks, config.run_dir / ROUTER_FILE
+    counts = {"hits": 0, "misses": 0}
+    merged = merged_model(config, merged_dir, model)  # one load for both splits
 
     def labelled(split: str, known: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-        prompts = {task: task_prompts(data[task], split, config, tokenizer) for task in tasks
-                   if task not in known and (split != "heldout" or data[task].heldout is not None)}
-        return _labelled_features(tasks, prompts, known, merged, tokenizer, layer, settings.batch_size, cache,
-                                  identity)
+        if config.models_on_gpus and model is None and not all(task in known for task in tasks):
+            from darts_dist.calibrate.ray.remote import run_as_expert
+
+            features, labels, used = run_as_expert(config.cluster, "the router's merged model", split_features,
+                                                   config, data, merged_dir, layer, split, known)
+        else:
+            features, labels, used = split_features(config, data, merged_dir, layer, split, known, merged)
+        counts.update({name: counts[name] + used[name] for name in counts})
+        return features, labels
 
     calibration_features = {task: pooled for task, pooled in (calibration_features or {}).items() if len(pooled)}
     features, labels = labelled("calibration", calibration_features)
@@ -147,6 +178,6 @@ def fit_run_router(
         report["below_threshold"] = float((router.route(features).task < 0).float().mean())
     if calibration_features:
         report["features_from_calibration"] = sorted(calibration_features)
-    if cache is not None:
-        report["output_cache"] = cache.counts()
+    if config.evaluation.cache:
+        report["output_cache"] = counts
     return report

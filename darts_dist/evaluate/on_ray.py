@@ -20,12 +20,12 @@ from typing import TypeVar
 
 import ray
 import torch
-from ray.exceptions import RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from darts_dist.calibrate.ray.cpu_share import cpu_share, node_cores, per_node
 from darts_dist.calibrate.ray.job import ray_session
+from darts_dist.calibrate.ray.remote import get_or_raise
 from darts_dist.calibrate.ray.placement import alive_nodes, custom_resources, expert_actor_options, expert_bundle
 from darts_dist.config import RunConfig
 from darts_dist.errors import DartsError
@@ -124,16 +124,6 @@ def _fits(bundles: list[dict[str, float]]) -> bool:
     return all(total.get(name, 0.0) >= sum(b.get(name, 0.0) for b in bundles) for name in {*bundles[0]})
 
 
-def _get(refs: object) -> object:
-    """ray.get, with a DartsError raised in an actor re-raised as itself (the command line's error and fix)."""
-    try:
-        return ray.get(refs)
-    except RayTaskError as error:
-        if isinstance(error.cause, DartsError):
-            raise error.cause from None
-        raise
-
-
 def evaluate_on_ray(
     config: RunConfig, data: Mapping[str, TaskFiles], base_dir: Path, experts: Mapping[str, Path], merged_dir: Path,
     corrections_path: Path | None, router_path: Path | None, score_base: bool, cache: OutputCache | None = None,
@@ -143,8 +133,9 @@ def evaluate_on_ray(
     output caches and what they computed.
 
     With `evaluation.executor: auto`, None (evaluate in-process) when the cluster does not have an actor's
-    resources for every model (the base, each expert, the merge: a GPU each on a GPU cluster) in all; asked
-    for explicitly, the job waits `cluster.resource_wait_s` for them, then fails naming what it asked for.
+    resources for every model (the base, each expert, the merge: a GPU each on a GPU cluster) in all and the
+    plan says this machine holds the models in-process; otherwise (and asked for explicitly) the job waits
+    `cluster.resource_wait_s` for them, then fails naming what it asked for.
     """
     cluster = config.cluster
     roles = {**({"base": base_dir} if score_base else {}), **{f"expert {t}": experts[t] for t in config.tasks},
@@ -153,9 +144,14 @@ def evaluate_on_ray(
     address = cluster.address or os.environ.get("RAY_ADDRESS")
     with ray_session(address, local_resources(config, len(roles))):
         if config.evaluation.executor == "auto" and not _fits(bundles):
-            logger.info("evaluate: the cluster has no room for %d model actors (%s each): evaluating in-process",
-                        len(roles), bundles[0])
-            return None
+            from darts_dist.plan.check import driver_holds_evaluation
+
+            if driver_holds_evaluation(config):
+                logger.info("evaluate: the cluster has no room for %d model actors (%s each), and this machine "
+                            "holds the models: evaluating in-process", len(roles), bundles[0])
+                return None
+            logger.info("evaluate: the cluster has no room for %d model actors (%s each) now, and this machine "
+                        "cannot hold the models: waiting for them", len(roles), bundles[0])
         spread = cluster.placement_strategy in ("SPREAD", "STRICT_SPREAD")
         group = placement_group(bundles, strategy="SPREAD" if spread else "PACK")
         try:
@@ -183,14 +179,14 @@ def _run_actors(
         placement_group=group, placement_group_bundle_index=index)}).remote(config, data, tokenizer_dir, folder)
         for index, role in enumerate(roles)}
     try:
-        _get([actors[role].load.remote(path, per) for role, path in roles.items()])
+        get_or_raise([actors[role].load.remote(path, per) for role, path in roles.items()])
         base = actors["base"].base_passes.remote() if "base" in actors else {}
         sides = [actors[f"expert {task}"].expert_side.remote(index) for index, task in enumerate(config.tasks)]
         merged = actors["merged"]
-        _get(merged.merged_sides.remote())
-        result = _get(merged.judge.remote(base, corrections_path, router_path, *sides))
+        get_or_raise(merged.merged_sides.remote())
+        result = get_or_raise(merged.judge.remote(base, corrections_path, router_path, *sides))
         if cache is not None:
-            for counts in _get([actor.cache_counts.remote() for actor in actors.values()]):
+            for counts in get_or_raise([actor.cache_counts.remote() for actor in actors.values()]):
                 cache.hits, cache.misses = cache.hits + counts["hits"], cache.misses + counts["misses"]
         return result
     finally:

@@ -30,7 +30,7 @@ def build_plan(config: RunConfig) -> Plan:
     merged = shape_of(model_config(config.sources.base))
     experts = {e.task: shape_of(model_config(e.path)) for e in config.sources.experts}
     roles = [*calibration_roles(config, experts, merged), *evaluation_roles(config, experts, merged),
-             serving_role(config, merged), driver_role(config, experts, merged)]
+             serving_role(config.serve, merged, correction_parameters(config, merged)), driver_role(config, experts, merged)]
     return Plan(merged, experts, roles, correction_parameters(config, merged))
 
 

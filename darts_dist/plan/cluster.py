@@ -70,24 +70,39 @@ def unplaced(bundles: Sequence[tuple[str, Bundle]], nodes: Sequence[dict[str, fl
     return left
 
 
-def problems(roles: Sequence[Role], nodes: Sequence[dict[str, float]], gpu_bytes: int | None) -> list[str]:
-    """What the cluster cannot hold: per phase, actors that find no node, and GPU roles larger than a GPU."""
+def placement_problems(roles: Sequence[Role], nodes: Sequence[dict[str, float]]) -> list[str]:
+    """Per phase, the actors that find no node (more nodes, or an autoscaler, would hold them)."""
     found = []
     for phase in PHASES:
         bundles = [(role.name, role.bundle) for role in roles if role.phase == phase for _ in range(role.count)]
         for name, bundle in unplaced(bundles, nodes):
             found.append(f"{phase}: {name} asks for {_resources(bundle)} and no node has it free beside the "
                          f"phase's other actors ({len(bundles)} in all)")
+    return found
+
+
+def size_problems(roles: Sequence[Role], nodes: Sequence[dict[str, float]], gpu_bytes: int | None) -> list[str]:
+    """The roles larger than the device they get: a GPU role than one GPU, a CPU role than the largest node's
+    memory (Ray's `memory` resource, where the nodes say it). No number of such nodes would hold them."""
+    found = []
+    node_memory = max((node.get("memory", 0.0) for node in nodes), default=0.0)
     for role in roles:
         share = role.bundle.get("GPU", 0)
-        if share <= 0 or gpu_bytes is None:
-            continue
-        # A fractional GPU shares its device: 1/share such actors on one GPU.
-        need = role.bytes / share
-        if need > gpu_bytes:
-            found.append(f"{role.phase}: {role.name} needs {need / GIB:.1f} GiB on a GPU "
-                         f"({_resources(role.bundle)}), the cluster's GPUs have {gpu_bytes / GIB:.0f} GiB")
+        if share > 0 and gpu_bytes is not None:
+            # A fractional GPU shares its device: 1/share such actors on one GPU.
+            need = role.bytes / share
+            if need > gpu_bytes:
+                found.append(f"{role.phase}: {role.name} needs {need / GIB:.1f} GiB on a GPU "
+                             f"({_resources(role.bundle)}), the cluster's GPUs have {gpu_bytes / GIB:.0f} GiB")
+        elif share == 0 and node_memory and role.bytes > node_memory:
+            found.append(f"{role.phase}: {role.name} needs {role.bytes / GIB:.1f} GiB of memory on a CPU node, the "
+                         f"largest node has {node_memory / GIB:.1f} GiB")
     return found
+
+
+def problems(roles: Sequence[Role], nodes: Sequence[dict[str, float]], gpu_bytes: int | None) -> list[str]:
+    """What the cluster cannot hold: actors that find no node, and roles larger than their device."""
+    return placement_problems(roles, nodes) + size_problems(roles, nodes, gpu_bytes)
 
 
 def _resources(bundle: Bundle) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from darts_dist.calibrate.layers import concrete_layers
 from darts_dist.calibrate.ray.placement import Bundle, expert_bundle, worker_bundle
-from darts_dist.config import RunConfig
+from darts_dist.config import RunConfig, ServeSection
 from darts_dist.core import CorrectionSpec, expected_parameter_count
 from darts_dist.evaluate.on_ray import uses_ray
 from darts_dist.plan.shapes import ModelShape
@@ -58,7 +58,10 @@ def _forward(shape: ModelShape, rows: int, length: int, itemsize: int) -> int:
 
 
 def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> list[Role]:
+    """The expert actors and training workers of a calibration on Ray; in-process, the driver holds the models."""
     c, cluster = config.calibration, config.cluster
+    if cluster.executor != "ray":
+        return []
     dtype = c.dtype if cluster.use_gpu else "float32"  # the CPU computes fp32
     item = 2 if dtype != "float32" else 4
     B, S, d = c.batch_size, c.max_length, merged.hidden_size
@@ -101,24 +104,29 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
     }) for name, shape in models.items()]
 
 
-def serving_role(config: RunConfig, merged: ModelShape) -> Role:
-    s = config.serve
+def serving_role(settings: ServeSection, merged: ModelShape, correction_parameters: int) -> Role:
+    """One serving replica (and how many at most): the merged model, its corrections, the KV cache of a full
+    batch and the prefix cache, one decoding step's activations."""
+    s = settings
     dtype = s.dtype if s.use_gpu else "float32"
     replicas = s.autoscaling_config.get("max_replicas", s.num_replicas) if s.autoscaling_config else s.num_replicas
     kv = merged.kv_bytes_per_token(dtype)
     return Role("serving replica", "serving", replicas, {"CPU": s.num_cpus, "GPU": 1.0 if s.use_gpu else 0.0}, {
-        "weights": merged.weight_bytes(dtype) + correction_parameters(config, merged) * 4,
+        "weights": merged.weight_bytes(dtype) + correction_parameters * 4,
         "kv cache": (s.max_batch_tokens + s.prefix_cache_tokens) * kv,
         "activations": s.max_batch_size * merged.vocab_size * 4 + _forward(merged, s.max_batch_size, 1, 4),
     })
 
 
 def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> Role:
-    """The driver (the head node): tokenised calibration sets, the router's held-out check (the merged model on
-    the driver's CPU today), and, when evaluation does not run on Ray, the in-process evaluation's models."""
+    """The driver (the head node): the tokenised calibration sets and, unless the models are on GPU actors, the
+    models it runs itself: the merged one for the router's held-out check (fp32 on its CPU), the merged one and
+    one other at a time for an evaluation in-process, the merged one and one expert for a calibration in-process."""
     c = config.calibration
-    memory = {"calibration rows": len(config.tasks) * c.num_samples * c.max_length * TOKEN_ROW_BYTES,
-              "weights": merged.weight_bytes("float32")}
-    if not uses_ray(config):  # the merged model and one other at a time
+    memory = {"calibration rows": len(config.tasks) * c.num_samples * c.max_length * TOKEN_ROW_BYTES}
+    pair = not uses_ray(config) or config.cluster.executor != "ray"  # the merged model and one other at a time
+    if pair or not config.models_on_gpus:
+        memory["weights"] = merged.weight_bytes("float32")
+    if pair:
         memory["weights"] += max(shape.weight_bytes("float32") for shape in experts.values())
     return Role("driver", "driver", 1, {"CPU": 1.0}, memory)

@@ -34,6 +34,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import ray
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -195,6 +196,7 @@ class DartsServer:
         files = source.fetch()
         device, warning = replica_device(settings)
         self.device, self.warnings = device, [warning] if warning else []
+        self.gpus = [str(i) for i in ray.get_gpu_ids()]  # the GPU resources Ray gave this replica
         if warning:
             logger.warning(warning)
         self.lm = CorrectedLM.load(
@@ -232,7 +234,7 @@ class DartsServer:
             return {"status": "ok"}
         stats = self.engine.stats()
         return {"status": "ok", "model": self.name, "model_version": self.version, "load_s": round(self.load_s, 2),
-                "device": self.device.type, "warnings": self.warnings, "capture": self.capture is not None,
+                "device": self.device.type, "gpus": self.gpus, "warnings": self.warnings, "capture": self.capture is not None,
                 **dataclasses.asdict(stats)}
 
     @api.get("/v1/models")

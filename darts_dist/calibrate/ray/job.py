@@ -28,7 +28,7 @@ import ray
 import ray.train
 import torch
 from ray.data import ExecutionOptions, ExecutionResources
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 from safetensors.torch import load_file
 
 from darts_dist.calibrate.coefficients import (
@@ -260,6 +260,24 @@ def stream_window_tokens(plan: JobPlan) -> int:
                          plan.cluster.num_workers)
 
 
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def gpus_are_cuda(cluster: ClusterSection) -> bool:
+    """Whether a GPU Ray gives an expert is a CUDA device. Ray takes a node's GPU count as given (`ray start
+    --num-gpus 4` on a CPU machine): such a node rehearses a GPU cluster's layout on CPUs, said here once."""
+    from darts_dist.calibrate.ray.remote import run_as_expert
+
+    if run_as_expert(cluster, "a CUDA check", _cuda_devices) > 0:
+        return True
+    logger.warning("calibrate: the cluster's GPU resources have no CUDA device behind them (GPUs given to Ray "
+                   "that the machine lacks): every model runs on the CPU, the workers train over gloo")
+    return False
+
+
 def run_calibration_job(plan: JobPlan) -> JobResult:
     """Stream every expert's targets into the training workers and train the corrections there."""
     check_plan(plan)
@@ -271,6 +289,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
     fail_expert_after = _env_int(FAIL_EXPERT_AFTER)
     with ray_session(plan.address, local_cluster_resources(plan)):
         wait_for_resources(cluster, len(plan.data))
+        cuda = not cluster.use_gpu or gpus_are_cuda(cluster)
         # On CPU nodes: the schedule, and the model-running actors a node holds if they spread evenly (PACK may
         # put more on one node: the share is then too large there, as it would be without the rule).
         nodes = sum(1 for node in alive_nodes() if node["Resources"].get("CPU"))
@@ -318,8 +337,10 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 failure_config=ray.train.FailureConfig(max_failures=cluster.max_failures),
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
                 # DeepSpeed would look for CUDA first; on a CPU cluster it must use its CPU accelerator.
-                worker_runtime_env={} if cluster.use_gpu else {"env_vars": {"DS_ACCELERATOR": "cpu"}},
+                worker_runtime_env={} if cluster.use_gpu and cuda else {"env_vars": {"DS_ACCELERATOR": "cpu"}},
             ),
+            # NCCL needs CUDA devices: GPU resources without them (a rehearsal on CPUs) train over gloo.
+            torch_config=None if cuda else TorchConfig(backend="gloo"),
         )
         with ObjectStoreSampler() as store_use:
             try:

@@ -54,6 +54,11 @@ def custom_resources(bundles: Sequence[Bundle]) -> dict[str, float]:
     return total
 
 
+def gpu_ids() -> str:
+    """The GPU ids Ray gave this worker or actor, comma-separated ("" for none)."""
+    return ",".join(str(i) for i in ray.get_gpu_ids())
+
+
 def alive_nodes() -> list[dict]:
     return [node for node in ray.nodes() if node["Alive"]]
 

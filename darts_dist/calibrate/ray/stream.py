@@ -27,7 +27,7 @@ import ray.train
 from ray.actor import ActorHandle
 
 from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share
-from darts_dist.calibrate.ray.placement import expert_actor_options
+from darts_dist.calibrate.ray.placement import expert_actor_options, gpu_ids
 from darts_dist.config import CalibrationSection, ClusterSection, CpuSchedule
 from darts_dist.fanin import fan_in
 
@@ -141,6 +141,7 @@ class ExpertStream:
         # Each row says where it was made. Outside Ray (the actor's class used directly) there is no
         # node, and asking the runtime context for one would start a Ray session as a side effect.
         self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        self.gpus = gpu_ids() if ray.is_initialized() else ""
 
     def __call__(self, batch: Batch) -> Batch:
         from darts_dist.calibrate.features import expert_targets
@@ -155,6 +156,7 @@ class ExpertStream:
             hidden, entropy = expert_targets(self.model, ids, mask, self.layers)
         rows = {name: batch[name] for name in ("task", "row", *TOKEN_FIELDS)}
         rows["node"] = np.full(len(lengths), self.node, dtype=object)
+        rows["gpus"] = np.full(len(lengths), self.gpus, dtype=object)
         rows["entropy"] = _ragged(entropy.cpu().numpy(), lengths)
         for layer in self.layers:
             # expert_targets upcasts to fp32; sent in the compute dtype (exact), half as many bytes leave GPUs.

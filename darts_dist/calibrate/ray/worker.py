@@ -39,6 +39,7 @@ from darts_dist.calibrate.features import (
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
 from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share, training_threads
 from darts_dist.calibrate.ray.feature_store import FeatureStore
+from darts_dist.calibrate.ray.placement import gpu_ids
 from darts_dist.calibrate.ray.stream import arrivals, from_wire, stored_tokens, target_column, token_column
 from darts_dist.config import CalibrationSection
 from darts_dist.core import DartsCorrections, attach_corrections, mask_positions, save_corrections
@@ -203,13 +204,13 @@ def drain(
     settings: CalibrationSection,
     lockstep: bool,
     log: Progress,
-    expert_nodes: dict[str, set[str]],
+    expert_nodes: dict[str, set[tuple[str, str]]],
     turn: ForwardTurn | None = None,
     router: RouterFeatures | None = None,
     window: ActorHandle | None = None,
 ) -> int:
     """Keep this worker's rows of every task in `store`; returns the bytes of hidden states received.
-    `expert_nodes` gets, per task, the nodes its expert actors ran on.
+    `expert_nodes` gets, per task, the (node, GPU ids) its expert actors ran on.
 
     In feature mode the merged model runs here once per row, so training steps need no model at all; through
     the model, it runs once per row and each row keeps the hidden states entering the lowest corrected layer
@@ -254,7 +255,7 @@ def drain(
         if window is not None:
             window.leave.remote(task, [int(row) for row in batch["row"]])
         rows += len(batch["row"])
-        expert_nodes.setdefault(task, set()).update(batch["node"])
+        expert_nodes.setdefault(task, set()).update(zip(batch["node"], batch["gpus"]))
         log(f"streamed {rows} rows ({rows / (time.perf_counter() - started):.1f} rows/s)")
     log(f"streamed {rows} rows in {time.perf_counter() - started:.1f} s", force=True)
     return received
@@ -302,10 +303,16 @@ def training_module(config: Mapping[str, object], tasks: Sequence[str], device: 
     return CalibrationModule(merged, corrections, settings)
 
 
+def worker_device() -> torch.device:
+    """The GPU Ray Train gave this rank, or the CPU where its GPU resource has no CUDA device behind it (a CPU
+    machine whose Ray node was started with GPUs it has not: the job warned on the driver)."""
+    return ray.train.torch.get_device() if torch.cuda.is_available() else torch.device("cpu")
+
+
 def build_engine(config: Mapping[str, object], tasks: Sequence[str], checkpoint: ray.train.Checkpoint | None):
     """The training module in a DeepSpeed engine; the checkpoint's state if given."""
     settings: CalibrationSection = config["settings"]
-    device = ray.train.torch.get_device()
+    device = worker_device()
     module = training_module(config, tasks, device)
     if device.type == "cpu":
         # On CPU DeepSpeed JIT-compiles a shared-memory allreduce on first use: minutes of C++ in every
@@ -363,15 +370,20 @@ def save_checkpoint(
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
-def placement(expert_nodes: Mapping[str, set[str]]) -> dict[str, object]:
-    """Which node ran what, gathered from every rank: each rank's node, and each task's expert nodes."""
+def placement(expert_nodes: Mapping[str, set[tuple[str, str]]]) -> dict[str, object]:
+    """Which node and GPUs ran what, gathered from every rank: each rank's node and GPU ids, and each task's
+    expert nodes and GPU ids ("" without a GPU; Ray's ids, unique on a node)."""
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ray.get_runtime_context().get_node_id(), expert_nodes))
-    experts: dict[str, set[str]] = {}
+    own = (ray.get_runtime_context().get_node_id(), gpu_ids())
+    dist.all_gather_object(gathered, (own, expert_nodes))
+    experts: dict[str, set[tuple[str, str]]] = {}
     for _, nodes in gathered:
-        for task, ids in nodes.items():
-            experts.setdefault(task, set()).update(ids)
-    return {"workers": [node for node, _ in gathered], "experts": {task: sorted(ids) for task, ids in experts.items()}}
+        for task, where in nodes.items():
+            experts.setdefault(task, set()).update(where)
+    return {"workers": [node for (node, _), _ in gathered], "worker_gpus": [gpus for (_, gpus), _ in gathered],
+            "experts": {task: sorted({node for node, _ in where}) for task, where in experts.items()},
+            "expert_gpus": {task: sorted({f"{node}:{gpus}" for node, gpus in where if gpus})
+                            for task, where in experts.items()}}
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -393,7 +405,7 @@ def train_loop_per_worker(config: dict) -> None:
     engine = build_engine(config, tasks, checkpoint)
     if state.resumed_from is not None:
         log(f"resuming from the checkpoint at step {state.step}", force=True)
-    device = ray.train.torch.get_device()
+    device = worker_device()
     turn = None
     if device.type == "cpu":
         # ZeRO-3's forwards gather weights from the other ranks: a rank waiting for its turn while a rank on
@@ -403,7 +415,7 @@ def train_loop_per_worker(config: dict) -> None:
     timings = {"worker_start": started, "setup": time.time() - started}
     with tempfile.TemporaryDirectory(prefix="darts-features-") as spill_dir:
         store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
-        expert_nodes: dict[str, set[str]] = {}
+        expert_nodes: dict[str, set[tuple[str, str]]] = {}
         merged_model = engine.module.merged if isinstance(engine.module, CalibrationModule) else None
         router = RouterFeatures(**config["router"]) if config.get("router") else None
         received = drain(stream, merged_model, device, store, settings, lockstep=config["zero_stage"] == 3, log=log,

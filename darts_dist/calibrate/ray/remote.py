@@ -1,0 +1,52 @@
+"""Model work that must not run on the driver: a function run in a Ray task with an expert actor's resources
+(a GPU with `cluster.use_gpu`), on the run's cluster, once Ray can reserve them (bounded by
+`cluster.resource_wait_s`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import ray
+from ray.exceptions import RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from darts_dist.calibrate.ray.job import ray_session
+from darts_dist.calibrate.ray.placement import custom_resources, expert_actor_options, expert_bundle
+from darts_dist.config import ClusterSection
+from darts_dist.errors import DartsError
+
+T = TypeVar("T")
+
+
+def get_or_raise(refs: object) -> object:
+    """ray.get, with a DartsError raised in a task or actor re-raised as itself (the command line's error and fix)."""
+    try:
+        return ray.get(refs)
+    except RayTaskError as error:
+        if isinstance(error.cause, DartsError):
+            raise error.cause from None
+        raise
+
+
+def run_as_expert(cluster: ClusterSection, what: str, work: Callable[..., T], *args: object) -> T:
+    """`work(*args)` in a Ray task with one expert actor's resources on `cluster.address` (or RAY_ADDRESS, or
+    the cluster this process joined, else a local one); fails naming `what` when Ray cannot reserve them
+    within `cluster.resource_wait_s`."""
+    bundle = {name: amount for name, amount in expert_bundle(cluster).items() if amount}
+    address = cluster.address or os.environ.get("RAY_ADDRESS")
+    local = {"num_cpus": max(os.cpu_count() or 1, int(bundle.get("CPU", 1) + 0.999)),
+             "resources": custom_resources([bundle])}
+    with ray_session(address, local):
+        group = placement_group([bundle])
+        try:
+            if not ray.wait([group.ready()], timeout=cluster.resource_wait_s)[0]:
+                raise DartsError(f"the Ray cluster had no room for {what} ({bundle}) after "
+                                 f"{cluster.resource_wait_s:g} s", "add nodes with those resources")
+            options = expert_actor_options(cluster) | {"max_retries": 0, "scheduling_strategy":
+                                                         PlacementGroupSchedulingStrategy(placement_group=group)}
+            return get_or_raise(ray.remote(work).options(**options).remote(*args))
+        finally:
+            remove_placement_group(group)

@@ -1,0 +1,117 @@
+"""The plan's check that `calibrate`, `evaluate`, `serve` and `serve-deploy` run before any merge, MLflow run or
+Ray job starts: the roles of the phases a command runs against the nodes they will run on. What cannot fit is
+refused (error/fix, exit 2); what fits only once an autoscaler adds nodes (`cluster.autoscaler`) is said, and
+the job's own placement waits `cluster.resource_wait_s` for it."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from darts_dist.config import ClusterSection, RunConfig, ServeSection, updated
+from darts_dist.core.io import read_header
+from darts_dist.errors import DartsError
+from darts_dist.plan import Plan, build_plan
+from darts_dist.plan.cluster import GIB, gpu_memory, placement_problems, read_nodes, size_problems
+from darts_dist.plan.roles import Role, correction_parameters, serving_role
+from darts_dist.plan.shapes import model_config, shape_of
+
+if TYPE_CHECKING:
+    from darts_dist.serve.model import ModelSource
+
+logger = logging.getLogger(__name__)
+
+FIX = ("add nodes or GPUs, ask for fewer (cluster.num_workers, expert_resources, serve.num_replicas), lower dtypes "
+       "and batch sizes, or set cluster.zero_stage: 3 to partition the frozen model over the workers; "
+       "`darts-dist plan CONFIG` prints every role's memory")
+
+
+def local_node(roles: Sequence[Role]) -> dict[str, float]:
+    """The node of the local cluster a job starts on this machine: Ray gives it the CPUs and custom resources the
+    job asks for (calibrate.ray.job.local_cluster_resources), and finds the machine's GPUs and memory itself."""
+    named = {key for role in roles for key in role.bundle if key not in ("GPU", "memory")}
+    return {**{key: math.inf for key in named}, "GPU": float(torch.cuda.device_count()),
+            "memory": float(psutil.virtual_memory().total)}
+
+
+def launch_nodes(address: str | None, roles: Sequence[Role]) -> tuple[list[dict[str, float]], str]:
+    """The nodes the command's Ray work will run on, and which cluster they are: the one this process has
+    joined, the one at `address` (cluster.address, --address, RAY_ADDRESS), or a local one."""
+    import ray
+
+    if ray.is_initialized():
+        from darts_dist.calibrate.ray.placement import alive_nodes
+
+        return [dict(node["Resources"]) for node in alive_nodes()], "the Ray cluster this process joined"
+    if address:
+        return read_nodes(address), f"the Ray cluster at {address}"
+    return [local_node(roles)], "a local Ray cluster on this machine"
+
+
+def check_launch(roles: Sequence[Role], cluster: ClusterSection, address: str | None = None,
+                 driver: Role | None = None) -> None:
+    """Refuse (DartsError) what the nodes cannot hold; with `cluster.autoscaler`, actors that find no node yet
+    are left to the autoscaler (logged) and only what no node can ever hold (a GPU too small) is refused.
+    `driver`: the driver's role, checked against this machine's memory."""
+    found = []
+    if driver is not None and driver.bytes > psutil.virtual_memory().total:
+        found.append(f"driver: holds {driver.bytes / GIB:.1f} GiB, this machine has "
+                     f"{psutil.virtual_memory().total / GIB:.1f} GiB")
+    if roles:
+        address = address or cluster.address or os.environ.get("RAY_ADDRESS")
+        nodes, which = launch_nodes(address, roles)
+        gpu_bytes, _ = gpu_memory(nodes, None)
+        if gpu_bytes is None and not address and torch.cuda.is_available():
+            gpu_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        placement, sizes = placement_problems(roles, nodes), size_problems(roles, nodes, gpu_bytes)
+        if placement and cluster.autoscaler:
+            logger.warning("the nodes of %s cannot hold every actor now; waiting up to %g s "
+                           "(cluster.resource_wait_s) for the autoscaler to add nodes:\n    %s",
+                           which, cluster.resource_wait_s, "\n    ".join(placement))
+            placement = []
+        found += [f"{problem} (on {which})" for problem in [*placement, *sizes]]
+    if found:
+        raise DartsError("the cluster cannot hold this run:\n    " + "\n    ".join(found), FIX)
+
+
+def driver_holds_evaluation(config: RunConfig) -> bool:
+    """Whether this machine holds an in-process evaluation's models (the plan's driver, evaluating in-process)
+    in the memory it has free."""
+    in_process = updated(config, evaluation=updated(config.evaluation, executor="in-process"))
+    driver = next(role for role in build_plan(in_process).roles if role.phase == "driver")
+    return driver.bytes <= psutil.virtual_memory().available
+
+
+def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
+    """`calibrate` (phases calibration and evaluation) and `evaluate` (evaluation): the plan's roles of those
+    phases on the run's cluster, and the driver on this machine."""
+    plan = build_plan(config)
+    roles = [role for role in plan.roles if role.phase in phases]
+    check_launch(roles, config.cluster, driver=next(role for role in plan.roles if role.phase == "driver"))
+    return plan
+
+
+def check_serving(source: ModelSource, config: RunConfig | None, settings: ServeSection,
+                  address: str | None = None) -> Role:
+    """`serve` and `serve-deploy`: the replicas on the cluster they deploy onto. The model's shape comes from the
+    merged folder's config.json, or (a registered version, fetched by each replica) from its run's config."""
+    if source.files is not None:
+        merged = shape_of(model_config(str(source.files.merged_dir)))
+        corrections = source.files.corrections
+        parameters = 0 if corrections is None else sum(
+            math.prod(shape) for shape in read_header(corrections)["shapes"].values())
+    elif config is not None:
+        merged = shape_of(model_config(config.sources.base))
+        parameters = correction_parameters(config, merged)
+    else:
+        raise DartsError(f"{source.registered} has no run config to size its replicas by",
+                         "register it with `darts-dist calibrate` (which logs the config), or serve its files")
+    role = serving_role(settings, merged, parameters)
+    check_launch([role], config.cluster if config is not None else ClusterSection(), address)
+    return role

@@ -1,0 +1,117 @@
+"""A GPU cluster's layout rehearsed on this CPU machine: the test session's Ray cluster has 4 GPUs it does not have
+(conftest's `ray_cluster`), so Ray hands out GPU ids exactly as on a 4-GPU node while every model runs on the CPU.
+The 7B example's shape (3 experts and 1 worker) takes the 4 distinct GPUs, two training ranks never share one, a
+run asking for 5 is refused in seconds, the driver loads no model weights, and serving replicas take a GPU each."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import FAKE_GPUS
+from serving import free_port
+from transformers import PreTrainedModel
+
+from darts_dist.cli import main
+from darts_dist.config import ServeSection, parse_config
+from darts_dist.serve.model import resolve_model
+
+pytestmark = pytest.mark.slow  # Ray jobs on the session's cluster
+
+TASKS = ("code", "math", "instruct")
+
+
+def gpu_config(tiny_family, out: Path, tasks=TASKS, workers: int = 1) -> Path:
+    """The tiny family on the 7B example's cluster settings: a GPU per expert and per worker, ZeRO-0, evaluation
+    on Ray without the base (4 one-GPU actors)."""
+    config = {
+        "name": f"gpus-{len(tasks)}x{workers}",
+        "output_dir": str(out),
+        "sources": {"base": str(tiny_family.base), "experts": [
+            {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": f"demo:{t}", "heldout": f"demo:{t}"}}
+            for t in tasks]},
+        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
+        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 24, "batch_size": 4,
+                        "steps": 4, "device": "auto", "dtype": "bfloat16"},
+        "cluster": {"use_gpu": True, "num_workers": workers, "zero_stage": 0, "resource_wait_s": 60},
+        "evaluation": {"score_limit": 1, "max_new_tokens": 4, "score_base": False},
+        "tracking": {"uri": f"sqlite:///{out}/mlflow.db"},
+    }
+    parse_config(config)
+    path = out / "config.yaml"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def driver_loads(monkeypatch) -> list[str]:
+    """Every model this (the driver's) process loads with from_pretrained; Ray's workers are other processes."""
+    loads: list[str] = []
+    original = PreTrainedModel.from_pretrained.__func__
+
+    def counted(cls, path, *args, **kwargs):
+        loads.append(str(path))
+        return original(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(counted))
+    return loads
+
+
+def distinct_gpus(placement: dict) -> list[str]:
+    """Every GPU the job's actors held, as node:id; one entry per actor holding it."""
+    held = [f"{node}:{gpus}" for node, gpus in zip(placement["workers"], placement["worker_gpus"])]
+    held += [where for places in placement["expert_gpus"].values() for where in places]
+    return held
+
+
+def test_the_7b_shape_takes_four_distinct_gpus_and_the_driver_loads_no_model(
+    ray_cluster, tiny_family, tmp_path, driver_loads
+) -> None:
+    report = tmp_path / "report.json"
+    assert main(["calibrate", str(gpu_config(tiny_family, tmp_path)), "--report", str(report)]) == 0
+    result = json.loads(report.read_text())
+    held = distinct_gpus(result["calibration"]["job"]["placement"])
+    assert len(held) == FAKE_GPUS and len(set(held)) == FAKE_GPUS, held
+    # The router's held-out check ran in a Ray task, the evaluation in 4 actors: no forward on the driver.
+    assert driver_loads == []
+    assert result["router"]["accuracy"] >= 0 and "math" in result["variants"]["darts"]["tasks"]
+
+
+def test_two_training_ranks_never_share_a_gpu(ray_cluster, tiny_family, tmp_path, driver_loads) -> None:
+    report = tmp_path / "report.json"
+    config = gpu_config(tiny_family, tmp_path, tasks=("code", "math"), workers=2)
+    assert main(["calibrate", str(config), "--report", str(report)]) == 0
+    placement = json.loads(report.read_text())["calibration"]["job"]["placement"]
+    workers = [f"{node}:{gpus}" for node, gpus in zip(placement["workers"], placement["worker_gpus"])]
+    assert len(workers) == 2 and len(set(workers)) == 2 and all(w.split(":")[1] for w in workers), workers
+    assert len(set(distinct_gpus(placement))) == FAKE_GPUS
+
+
+def test_a_run_asking_for_five_gpus_is_refused_in_seconds(ray_cluster, tiny_family, tmp_path, capsys) -> None:
+    config = gpu_config(tiny_family, tmp_path, workers=2)  # 3 experts + 2 workers
+    started = time.perf_counter()
+    assert main(["calibrate", str(config)]) == 2
+    assert time.perf_counter() - started < 30
+    err = capsys.readouterr().err
+    assert "calibration worker asks for" in err and "(5 in all)" in err and "fix:" in err
+    assert not (tmp_path / "gpus-3x2").exists() and not (tmp_path / "mlflow.db").exists()  # nothing started
+
+
+def test_a_serving_replica_holds_a_gpu_and_says_it_found_no_cuda(ray_cluster, tiny_family, tmp_path) -> None:
+    from ray import serve
+
+    from darts_dist.serve.app import start
+
+    source, _ = resolve_model(str(tiny_family.base))
+    settings = ServeSection(use_gpu=True, port=free_port(), num_replicas=1)
+    try:
+        url = start(source, settings)
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/healthz", timeout=60) as response:
+            health = json.loads(response.read())
+        assert health["device"] == "cpu" and any("no CUDA device" in w for w in health["warnings"])
+        assert len(health["gpus"]) == 1  # Ray gave the replica one of the node's GPUs
+    finally:
+        serve.shutdown()
