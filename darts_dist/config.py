@@ -148,7 +148,9 @@ class CalibrationSection(_Section):
     # rest are the calibration file's first rows. Fewer captured prompts than the share: all of them.
     traffic_share: float = Field(default=0.5, ge=0.0, le=1.0)
     seed: int = 0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The frozen models' dtype on GPUs (what a 7B user picks: half the memory, the tensor cores' rate); the CPU
+    # computes fp32 whatever this says, and the corrections and their optimizer state are fp32 everywhere.
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     device: str = "auto"
 
     @field_validator("layers")
@@ -311,7 +313,7 @@ class ServeSection(_Section):
     prefix_cache_tokens: int = Field(default=PREFIX_CACHE_TOKENS, ge=0)
     use_gpu: bool = False  # one GPU per replica
     num_cpus: float = Field(default=1.0, gt=0.0)  # per replica; also its torch threads
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # on GPUs; the CPU computes fp32
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # on GPUs; the CPU computes fp32
     # The routed model id picks a task when the router's confidence reaches this, else no correction;
     # "soft" mixes the corrections with the router's probabilities instead of taking the top task.
     router_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
@@ -378,6 +380,11 @@ class RunConfig(_Section):
         if self.calibration.position_rank is not None and self.calibration.position_bias == "none":
             raise ValueError("calibration.position_rank is set but calibration.position_bias is 'none'")
         device, on_ray = self.calibration.device, self.cluster.executor == "ray"
+        worker_gpus = self.cluster.worker_resources.get("GPU", 1.0 if self.cluster.use_gpu else 0.0)
+        if on_ray and worker_gpus and (worker_gpus < 1 or worker_gpus != int(worker_gpus)):
+            raise ValueError(f"cluster.worker_resources GPU: {worker_gpus:g} would put a training rank on a share of a "
+                             "GPU, so two ranks could share one device, which NCCL refuses: give each worker whole "
+                             "GPUs (1)")
         if self.cluster.use_gpu and device == "cpu":
             raise ValueError("cluster.use_gpu gives every actor a GPU, but calibration.device: cpu computes on the "
                              "CPU: set calibration.device auto (or cuda), or cluster.use_gpu false")

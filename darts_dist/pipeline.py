@@ -38,6 +38,7 @@ from darts_dist.evaluate.evaluator import (
     scores_base,
 )
 from darts_dist.evaluate.on_ray import evaluate_on_ray, uses_ray
+from darts_dist.plan.check import driver_holds_evaluation
 from darts_dist.evaluate.plots import (
     plot_bias_by_position,
     plot_coefficients,
@@ -142,7 +143,8 @@ def evaluate_stage(
                          "set sources.experts[...].data.heldout for each task")
     if uses_ray(config):
         result = evaluate_on_ray(config, sources.data, sources.base, sources.experts, merged_dir, corrections_path,
-                                 router_path, scores_base(config, sources.data), cache)
+                                 router_path, scores_base(config, sources.data), cache,
+                                 driver_holds_models=lambda: driver_holds_evaluation(config))
         if result is not None:  # None: `auto` found no room for an actor per model
             return result
     device = resolve_device(settings.device)

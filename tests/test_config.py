@@ -55,6 +55,7 @@ def test_defaults_and_relative_paths_resolve_against_the_config(tmp_path: Path, 
         ({"calibration": {"tasks": {"chat": {"beta": 0}}}}, "(top level)", "no expert has"),
         ({"cluster": {"use_gpu": True}, "calibration": {"device": "cpu"}}, "(top level)", "calibration.device: cpu"),
         ({"cluster": {"executor": "ray"}, "calibration": {"device": "cuda"}}, "(top level)", "set cluster.use_gpu"),
+        ({"cluster": {"use_gpu": True, "worker_resources": {"GPU": 0.5}}}, "(top level)", "two ranks could share"),
         ({"bogus": 1}, "bogus", "unknown key"),
     ],
 )

@@ -53,7 +53,7 @@ def test_waiting_for_missing_resources_is_bounded_and_says_what_is_missing(ray_c
         wait_for_resources(ClusterSection(expert_resources={"gpu_node": 1}, resource_wait_s=1.0), num_experts=3)
     assert 1.0 <= time.monotonic() - started < 10
     assert "no room for the job's expert actors after waiting 1 s" in error.value.what
-    assert "3 × (CPU=1, gpu_node=1)" in error.value.what and "CPU=8, expert_node=1" in error.value.what
+    assert "3 × (CPU=1, gpu_node=1)" in error.value.what and "CPU=8, GPU=4, expert_node=1" in error.value.what
     assert "ray start --resources" in error.value.fix
 
 

@@ -24,9 +24,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from darts_dist.calibrate.ray.cpu_share import cpu_share, node_cores, per_node
-from darts_dist.calibrate.ray.job import ray_session
-from darts_dist.calibrate.ray.remote import get_or_raise
 from darts_dist.calibrate.ray.placement import alive_nodes, custom_resources, expert_actor_options, expert_bundle
+from darts_dist.calibrate.ray.remote import get_or_raise, ray_session
 from darts_dist.config import RunConfig
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, judged_artifacts
@@ -127,14 +126,15 @@ def _fits(bundles: list[dict[str, float]]) -> bool:
 def evaluate_on_ray(
     config: RunConfig, data: Mapping[str, TaskFiles], base_dir: Path, experts: Mapping[str, Path], merged_dir: Path,
     corrections_path: Path | None, router_path: Path | None, score_base: bool, cache: OutputCache | None = None,
+    driver_holds_models: Callable[[], bool] = lambda: True,
 ) -> dict[str, object] | None:
     """`pipeline.evaluate_stage`'s result, its models' passes in actors of their own on the cluster
     (`cluster.address` or RAY_ADDRESS, else a local one); `cache` counts what the actors read back from their
     output caches and what they computed.
 
     With `evaluation.executor: auto`, None (evaluate in-process) when the cluster does not have an actor's
-    resources for every model (the base, each expert, the merge: a GPU each on a GPU cluster) in all and the
-    plan says this machine holds the models in-process; otherwise (and asked for explicitly) the job waits
+    resources for every model (the base, each expert, the merge: a GPU each on a GPU cluster) in all and
+    `driver_holds_models()` (the plan: this machine holds the models in-process); otherwise (and asked for explicitly) the job waits
     `cluster.resource_wait_s` for them, then fails naming what it asked for.
     """
     cluster = config.cluster
@@ -144,9 +144,7 @@ def evaluate_on_ray(
     address = cluster.address or os.environ.get("RAY_ADDRESS")
     with ray_session(address, local_resources(config, len(roles))):
         if config.evaluation.executor == "auto" and not _fits(bundles):
-            from darts_dist.plan.check import driver_holds_evaluation
-
-            if driver_holds_evaluation(config):
+            if driver_holds_models():
                 logger.info("evaluate: the cluster has no room for %d model actors (%s each), and this machine "
                             "holds the models: evaluating in-process", len(roles), bundles[0])
                 return None

@@ -11,7 +11,6 @@ Fault injection, for tests and drills on a real cluster; never on unless set:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -51,6 +50,7 @@ from darts_dist.calibrate.ray.placement import (
     wait_for_resources,
     worker_bundle,
 )
+from darts_dist.calibrate.ray.remote import ray_session, run_as_expert
 from darts_dist.calibrate.ray.stream import ExactlyOnceSplit, expert_stream
 from darts_dist.calibrate.ray.window import StreamWindow, window_tokens
 from darts_dist.calibrate.ray.worker import (
@@ -62,7 +62,6 @@ from darts_dist.calibrate.ray.worker import (
 from darts_dist.config import CORRECTIONS_FILE, CalibrationSection, ClusterSection, RunConfig, updated
 from darts_dist.core import DartsCorrections, TokenizedSet, load_corrections, mask_positions
 from darts_dist.errors import DartsError
-from darts_dist.logs import init_ray
 from darts_dist.core import parse_layer
 from darts_dist.sources.models import content_hash, load_tokenizer, read_model_info
 from darts_dist.sources.references import ResolvedSources
@@ -134,23 +133,6 @@ def local_cluster_resources(plan: JobPlan) -> dict[str, object]:
     need = sum(bundle["CPU"] for bundle in bundles) + 1
     return {"num_cpus": max(os.cpu_count() or 1, int(need + 0.999)), "resources": custom_resources(bundles),
             "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
-
-
-@contextlib.contextmanager
-def ray_session(address: str | None, local: Mapping[str, object]) -> Iterator[None]:
-    """This process's Ray cluster: the one it already joined, the one at `address`, or a local one
-    for the job, started with the `ray.init` arguments `local`."""
-    if ray.is_initialized():
-        yield
-        return
-    if address:
-        init_ray(address=address)
-    else:
-        init_ray(include_dashboard=False, **local)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 class ObjectStoreSampler:
@@ -269,8 +251,6 @@ def _cuda_devices() -> int:
 def gpus_are_cuda(cluster: ClusterSection) -> bool:
     """Whether a GPU Ray gives an expert is a CUDA device. Ray takes a node's GPU count as given (`ray start
     --num-gpus 4` on a CPU machine): such a node rehearses a GPU cluster's layout on CPUs, said here once."""
-    from darts_dist.calibrate.ray.remote import run_as_expert
-
     if run_as_expert(cluster, "a CUDA check", _cuda_devices) > 0:
         return True
     logger.warning("calibrate: the cluster's GPU resources have no CUDA device behind them (GPUs given to Ray "

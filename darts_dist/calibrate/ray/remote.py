@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 import ray
@@ -13,12 +14,29 @@ from ray.exceptions import RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from darts_dist.calibrate.ray.job import ray_session
 from darts_dist.calibrate.ray.placement import custom_resources, expert_actor_options, expert_bundle
 from darts_dist.config import ClusterSection
 from darts_dist.errors import DartsError
+from darts_dist.logs import init_ray
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, local: Mapping[str, object]) -> Iterator[None]:
+    """This process's Ray cluster: the one it already joined, the one at `address`, or a local one
+    for the job, started with the `ray.init` arguments `local`."""
+    if ray.is_initialized():
+        yield
+        return
+    if address:
+        init_ray(address=address)
+    else:
+        init_ray(include_dashboard=False, **local)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def get_or_raise(refs: object) -> object:
