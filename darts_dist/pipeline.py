@@ -128,13 +128,14 @@ def base_scores(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device
 
 def evaluate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None,
-    router_path: Path | None = None, cache: OutputCache | None = None,
+    router_path: Path | None = None, cache: OutputCache | None = None, memory: dict[str, int] | None = None,
 ) -> dict[str, object]:
     """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert (and routed, with a router).
 
     The corrections apply to config.model_dir: the merged model, or the learned merge, which is then judged
     (with its corrections, if any) against the merged model it started from. The base's, experts' and merged
     model's passes go through the output cache (`cache`, or the cache folder's; none with evaluation.cache off).
+    On Ray, `memory` gets each evaluation actor's peak memory, by model.
     """
     settings = config.calibration
     missing = [t for t in config.tasks if sources.data[t].heldout is None]
@@ -144,7 +145,7 @@ def evaluate_stage(
     if uses_ray(config):
         result = evaluate_on_ray(config, sources.data, sources.base, sources.experts, merged_dir, corrections_path,
                                  router_path, scores_base(config, sources.data), cache,
-                                 driver_holds_models=lambda: driver_holds_evaluation(config))
+                                 driver_holds_models=lambda: driver_holds_evaluation(config), memory=memory)
         if result is not None:  # None: `auto` found no room for an actor per model
             return result
     device = resolve_device(settings.device)
@@ -390,7 +391,10 @@ def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, objec
     router = router if corrections is not None and router.is_file() else None
     cache = OutputCache()
     with state.timed("evaluation"):
-        evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router, cache)
+        memory: dict[str, int] = {}
+        evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router, cache, memory)
+    if memory:  # each evaluation actor's peak memory: what the plan's evaluation roles hold, measured
+        state.report["evaluation_memory"] = memory
     state.report["variants"] = {"darts": evaluation}
     if state.config.evaluation.cache:  # what a repeat run read back: the base's, experts' and merge's passes
         state.report["evaluation_cache"] = cache.counts()

@@ -78,6 +78,11 @@ def test_the_7b_shape_takes_four_distinct_gpus_and_the_driver_loads_no_model(
     # The router's held-out check ran in a Ray task, the evaluation in 4 actors: no forward on the driver.
     assert driver_loads == []
     assert result["router"]["accuracy"] >= 0 and "math" in result["variants"]["darts"]["tasks"]
+    # Each role measured its own peak memory (benchmarks/plan_accuracy.py sets them beside the plan).
+    memory = result["calibration"]["job"]["memory"]
+    assert len(memory["workers"]) == 1 and sorted(memory["experts"]) == sorted(TASKS)
+    assert all(peak > 0 for peak in [*memory["workers"], *memory["experts"].values()])
+    assert sorted(result["evaluation_memory"]) == sorted(["merged", *(f"expert {t}" for t in TASKS)])
 
 
 def test_two_training_ranks_never_share_a_gpu(ray_cluster, tiny_family, tmp_path, driver_loads) -> None:
@@ -113,5 +118,6 @@ def test_a_serving_replica_holds_a_gpu_and_says_it_found_no_cuda(ray_cluster, ti
             health = json.loads(response.read())
         assert health["device"] == "cpu" and any("no CUDA device" in w for w in health["warnings"])
         assert len(health["gpus"]) == 1  # Ray gave the replica one of the node's GPUs
+        assert health["peak_memory_bytes"] > 0
     finally:
         serve.shutdown()

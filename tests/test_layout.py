@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).absolute().parent.parent / "darts_dist"
 # and earlier ones, never a later one (DESIGN.md §5).
 LAYERS = {
     "darts_dist": 0, "darts_dist.core": 0, "darts_dist.config": 0, "darts_dist.errors": 0, "darts_dist.fsutil": 0,
-    "darts_dist.logs": 0, "darts_dist.fanin": 0, "darts_dist.options": 0, "darts_dist.run_folder": 0,
+    "darts_dist.logs": 0, "darts_dist.fanin": 0, "darts_dist.memory": 0, "darts_dist.options": 0, "darts_dist.run_folder": 0,
     "darts_dist.sources": 1,
     "darts_dist.merge": 2,
     "darts_dist.calibrate": 3,

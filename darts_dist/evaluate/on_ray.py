@@ -28,6 +28,7 @@ from darts_dist.calibrate.ray.placement import alive_nodes, custom_resources, ex
 from darts_dist.calibrate.ray.remote import get_or_raise, ray_session
 from darts_dist.config import RunConfig
 from darts_dist.errors import DartsError
+from darts_dist.memory import PeakMemory
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, judged_artifacts
 from darts_dist.sources.data import TaskFiles
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
@@ -65,6 +66,7 @@ class ModelPasses:
         if not config.cluster.use_gpu:
             torch.set_num_threads(cpu_share("concurrent", actors_per_node, node_cores()).threads)
         dtype = model_dtype(config.calibration.dtype, self.device)
+        self.memory = PeakMemory(self.device)
         self.model = load_causal_lm(model_dir, dtype=dtype, device=self.device)
         self.identity = self.evaluator.identity(model_dir, dtype, self.device)
         self.model_dir = model_dir
@@ -99,6 +101,10 @@ class ModelPasses:
         return self._timed("corrected model", lambda: self.evaluator.evaluate(
             self.model, corrections, pairs, router=router, candidate=candidate))
 
+    def peak_memory(self) -> int:
+        """The most memory this actor's work has held since it began loading its model (darts_dist.memory)."""
+        return self.memory.peak()
+
     def cache_counts(self) -> dict[str, int]:
         return {"hits": 0, "misses": 0} if self.evaluator.cache is None else self.evaluator.cache.counts()
 
@@ -126,11 +132,11 @@ def _fits(bundles: list[dict[str, float]]) -> bool:
 def evaluate_on_ray(
     config: RunConfig, data: Mapping[str, TaskFiles], base_dir: Path, experts: Mapping[str, Path], merged_dir: Path,
     corrections_path: Path | None, router_path: Path | None, score_base: bool, cache: OutputCache | None = None,
-    driver_holds_models: Callable[[], bool] = lambda: True,
+    driver_holds_models: Callable[[], bool] = lambda: True, memory: dict[str, int] | None = None,
 ) -> dict[str, object] | None:
     """`pipeline.evaluate_stage`'s result, its models' passes in actors of their own on the cluster
     (`cluster.address` or RAY_ADDRESS, else a local one); `cache` counts what the actors read back from their
-    output caches and what they computed.
+    output caches and what they computed; `memory` gets each actor's peak memory by model.
 
     With `evaluation.executor: auto`, None (evaluate in-process) when the cluster does not have an actor's
     resources for every model (the base, each expert, the merge: a GPU each on a GPU cluster) in all and
@@ -158,7 +164,7 @@ def evaluate_on_ray(
                     f"the Ray cluster had no room for {len(roles)} evaluation actors ({', '.join(roles)}) of "
                     f"{bundles[0]} each after {cluster.resource_wait_s:g} s",
                     "add nodes with those resources, or set evaluation.executor: in-process")
-            return _run_actors(config, data, base_dir, roles, group, corrections_path, router_path, cache)
+            return _run_actors(config, data, base_dir, roles, group, corrections_path, router_path, cache, memory)
         finally:
             remove_placement_group(group)
 
@@ -166,6 +172,7 @@ def evaluate_on_ray(
 def _run_actors(
     config: RunConfig, data: Mapping[str, TaskFiles], tokenizer_dir: Path, roles: Mapping[str, Path],
     group: PlacementGroup, corrections_path: Path | None, router_path: Path | None, cache: OutputCache | None,
+    memory: dict[str, int] | None,
 ) -> dict[str, object]:
     """One actor per role in the placement group's bundles, their passes at once, the merged actor's judgement."""
     cpu_nodes = [node for node in alive_nodes() if node["Resources"].get("CPU")]
@@ -183,6 +190,8 @@ def _run_actors(
         merged = actors["merged"]
         get_or_raise(merged.merged_sides.remote())
         result = get_or_raise(merged.judge.remote(base, corrections_path, router_path, *sides))
+        if memory is not None:
+            memory.update(zip(actors, get_or_raise([actor.peak_memory.remote() for actor in actors.values()])))
         if cache is not None:
             for counts in get_or_raise([actor.cache_counts.remote() for actor in actors.values()]):
                 cache.hits, cache.misses = cache.hits + counts["hits"], cache.misses + counts["misses"]

@@ -53,6 +53,7 @@ from darts_dist.errors import DartsError
 from darts_dist.generation import (Completion, ContinuousBatcher, CorrectedLM, Engine, EngineBusy, EngineStopped,
                                    EngineThread, Event, Finished, Sampling, SequenceRequest)
 from darts_dist.logs import init_ray
+from darts_dist.memory import PeakMemory
 from darts_dist.serve.access import resolve_api_key, warn_if_exposed
 from darts_dist.serve.capture import CapturedPrompt, TrafficCapture
 from darts_dist.serve.follow import start_follower, stop_follower
@@ -199,6 +200,7 @@ class DartsServer:
         self.gpus = [str(i) for i in ray.get_gpu_ids()]  # the GPU resources Ray gave this replica
         if warning:
             logger.warning(warning)
+        self.memory = PeakMemory(device)  # what the model, its caches and its batches hold, for the plan's comparison
         self.lm = CorrectedLM.load(
             files.merged_dir, files.corrections, device=device, dtype=model_dtype(settings.dtype, device),
             router_path=files.router, threshold=settings.router_threshold,
@@ -234,7 +236,8 @@ class DartsServer:
             return {"status": "ok"}
         stats = self.engine.stats()
         return {"status": "ok", "model": self.name, "model_version": self.version, "load_s": round(self.load_s, 2),
-                "device": self.device.type, "gpus": self.gpus, "warnings": self.warnings, "capture": self.capture is not None,
+                "device": self.device.type, "gpus": self.gpus, "warnings": self.warnings,
+                "peak_memory_bytes": self.memory.peak(), "capture": self.capture is not None,
                 **dataclasses.asdict(stats)}
 
     @api.get("/v1/models")

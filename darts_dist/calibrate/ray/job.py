@@ -107,6 +107,9 @@ class JobResult:
     checkpoint_path: str
     object_store_peak_bytes: int  # the most the object store held above its use when the job began
     peak_gpu_memory_bytes: int | None  # the most a worker's GPU held (max over workers); None on CPUs
+    # The most memory each worker's work ("workers", by rank) and each task's expert actor ("experts") held above
+    # what its process held before loading its model (darts_dist.memory): the plan's roles, measured.
+    memory: dict[str, object]
     # Node ids: "workers" by rank, "experts" by task (calibrate.ray.worker.placement); "nodes": id ->
     # address and resources.
     placement: dict[str, object]
@@ -377,6 +380,7 @@ def job_result(plan: JobPlan, checkpoint: ray.train.Checkpoint, started: float, 
         checkpoint_path=checkpoint.path,
         object_store_peak_bytes=object_store_peak_bytes,
         peak_gpu_memory_bytes=progress.get("peak_gpu_memory_bytes"),
+        memory=progress.get("memory", {}),
         placement={**progress["placement"], "nodes": nodes},
     )
 
@@ -477,7 +481,7 @@ def calibrate_distributed(
     }
     result = CalibrationResult(corrections=job.corrections, losses=job.losses, seconds=job.timings["train"])
     details = {"run_id": plan.run_id, "checkpoint_path": job.checkpoint_path, "resumed_from": job.resumed_from,
-               "placement": job.placement,
+               "placement": job.placement, "memory": job.memory,
                "stream": {**job.stream, "object_store_peak_bytes": job.object_store_peak_bytes},
                "seconds": job.timings}
     prompts = {task: torch.from_numpy(np.stack([by_row[row] for row in sorted(by_row)]))

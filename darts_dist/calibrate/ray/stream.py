@@ -30,6 +30,7 @@ from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_core
 from darts_dist.calibrate.ray.placement import expert_actor_options, gpu_ids
 from darts_dist.config import CalibrationSection, ClusterSection, CpuSchedule
 from darts_dist.fanin import fan_in
+from darts_dist.memory import PeakMemory
 
 if TYPE_CHECKING:
     import torch
@@ -132,6 +133,7 @@ class ExpertStream:
                 # stream, so starving them only fills the object store.
                 os.nice(19 - os.nice(0))
         self.dtype = model_dtype(dtype, self.device)
+        self.memory = PeakMemory(self.device)  # what this actor's work holds, for the plan's comparison
         self.model = load_causal_lm(Path(model_path), dtype=self.dtype, device=self.device)
         self.wire_dtype = str(self.dtype).removeprefix("torch.")
         self.layers = list(layers)
@@ -157,6 +159,7 @@ class ExpertStream:
         rows = {name: batch[name] for name in ("task", "row", *TOKEN_FIELDS)}
         rows["node"] = np.full(len(lengths), self.node, dtype=object)
         rows["gpus"] = np.full(len(lengths), self.gpus, dtype=object)
+        rows["memory"] = np.full(len(lengths), self.memory.peak(), dtype=np.int64)
         rows["entropy"] = _ragged(entropy.cpu().numpy(), lengths)
         for layer in self.layers:
             # expert_targets upcasts to fp32; sent in the compute dtype (exact), half as many bytes leave GPUs.

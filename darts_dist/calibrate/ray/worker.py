@@ -15,7 +15,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from darts_dist.config import CalibrationSection
 from darts_dist.core import DartsCorrections, attach_corrections, mask_positions, save_corrections
 from darts_dist.errors import DartsError
 from darts_dist.logs import show_progress_logs
+from darts_dist.memory import PeakMemory
 from darts_dist.sources.models import load_causal_lm, model_dtype
 
 logger = logging.getLogger(__name__)
@@ -205,12 +206,14 @@ def drain(
     lockstep: bool,
     log: Progress,
     expert_nodes: dict[str, set[tuple[str, str]]],
+    expert_memory: dict[str, int],
     turn: ForwardTurn | None = None,
     router: RouterFeatures | None = None,
     window: ActorHandle | None = None,
 ) -> int:
     """Keep this worker's rows of every task in `store`; returns the bytes of hidden states received.
-    `expert_nodes` gets, per task, the (node, GPU ids) its expert actors ran on.
+    `expert_nodes` gets, per task, the (node, GPU ids) its expert actors ran on, `expert_memory` the most memory
+    one of them held (darts_dist.memory).
 
     In feature mode the merged model runs here once per row, so training steps need no model at all; through
     the model, it runs once per row and each row keeps the hidden states entering the lowest corrected layer
@@ -256,6 +259,7 @@ def drain(
             window.leave.remote(task, [int(row) for row in batch["row"]])
         rows += len(batch["row"])
         expert_nodes.setdefault(task, set()).update(zip(batch["node"], batch["gpus"]))
+        expert_memory[task] = max(expert_memory.get(task, 0), int(np.max(batch["memory"])))
         log(f"streamed {rows} rows ({rows / (time.perf_counter() - started):.1f} rows/s)")
     log(f"streamed {rows} rows in {time.perf_counter() - started:.1f} s", force=True)
     return received
@@ -373,9 +377,7 @@ def save_checkpoint(
 def placement(expert_nodes: Mapping[str, set[tuple[str, str]]]) -> dict[str, object]:
     """Which node and GPUs ran what, gathered from every rank: each rank's node and GPU ids, and each task's
     expert nodes and GPU ids ("" without a GPU; Ray's ids, unique on a node)."""
-    gathered: list = [None] * dist.get_world_size()
-    own = (ray.get_runtime_context().get_node_id(), gpu_ids())
-    dist.all_gather_object(gathered, (own, expert_nodes))
+    gathered = gather((ray.get_runtime_context().get_node_id(), gpu_ids()), expert_nodes)
     experts: dict[str, set[tuple[str, str]]] = {}
     for _, nodes in gathered:
         for task, where in nodes.items():
@@ -384,6 +386,23 @@ def placement(expert_nodes: Mapping[str, set[tuple[str, str]]]) -> dict[str, obj
             "experts": {task: sorted({node for node, _ in where}) for task, where in experts.items()},
             "expert_gpus": {task: sorted({f"{node}:{gpus}" for node, gpus in where if gpus})
                             for task, where in experts.items()}}
+
+
+def gather(*values: object) -> list:
+    """`values` of every rank, by rank."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return gathered
+
+
+def role_memory(worker: PeakMemory, expert_memory: Mapping[str, int]) -> dict[str, object]:
+    """The most memory each rank's work and each task's expert actor held, gathered from every rank."""
+    gathered = gather(worker.peak(), dict(expert_memory))
+    experts: dict[str, int] = {}
+    for _, seen in gathered:
+        for task, peak in seen.items():
+            experts[task] = max(experts.get(task, 0), peak)
+    return {"workers": [peak for peak, _ in gathered], "experts": experts}
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -400,6 +419,7 @@ def train_loop_per_worker(config: dict) -> None:
     if state.step >= settings.steps:
         log(f"this run finished at step {state.step}: nothing left to do", force=True)
         return
+    memory = PeakMemory(worker_device())  # this rank's work, from before it loads the merged model
     # The experts start streaming now, loading their models while this worker loads the merged one.
     stream = arrivals({task: ray.train.get_dataset_shard(task) for task in tasks}, settings.batch_size)
     engine = build_engine(config, tasks, checkpoint)
@@ -416,10 +436,11 @@ def train_loop_per_worker(config: dict) -> None:
     with tempfile.TemporaryDirectory(prefix="darts-features-") as spill_dir:
         store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
         expert_nodes: dict[str, set[tuple[str, str]]] = {}
+        expert_memory: dict[str, int] = {}
         merged_model = engine.module.merged if isinstance(engine.module, CalibrationModule) else None
         router = RouterFeatures(**config["router"]) if config.get("router") else None
         received = drain(stream, merged_model, device, store, settings, lockstep=config["zero_stage"] == 3, log=log,
-                         expert_nodes=expert_nodes, turn=turn, router=router, window=config.get("window"))
+                         expert_nodes=expert_nodes, expert_memory=expert_memory, turn=turn, router=router, window=config.get("window"))
         row_ids = {task: store.row_ids(task) for task in tasks}
         missing = [task for task, ids in row_ids.items() if not ids]
         if missing:
@@ -442,7 +463,8 @@ def train_loop_per_worker(config: dict) -> None:
         records = {rows_file(rank): row_entropies(features, row_ids)}
         if router is not None:
             records[prompts_file(rank)] = router.pooled
-        train_steps(engine, features, state, config, records, progress, log)
+        train_steps(engine, features, state, config, records, progress, log,
+                    measure=lambda: role_memory(memory, expert_memory))
 
 
 def train_steps(
@@ -453,8 +475,10 @@ def train_steps(
     records: Mapping[str, Mapping[str, np.ndarray]],
     progress: dict,
     log: Progress,
+    measure: Callable[[], dict[str, object]],
 ) -> None:
-    """The reference loop's schedule, through DeepSpeed, from `state.step`, checkpointing on the way."""
+    """The reference loop's schedule, through DeepSpeed, from `state.step`, checkpointing on the way; each
+    checkpoint's progress has the roles' peak memory so far (`measure`, every rank takes part)."""
     settings: CalibrationSection = config["settings"]
     rank = dist.get_rank()
     generator = torch.Generator().manual_seed(settings.seed + rank)
@@ -482,6 +506,7 @@ def train_steps(
             if on_step is not None:  # the metrics of every checkpointed step are in the store
                 on_step.flush()
             progress["timings"]["train"] = time.time() - started
+            progress["memory"] = measure()
             if torch.cuda.is_available():
                 memory = reduce_over_ranks([torch.cuda.max_memory_allocated()], loss.device, "max")[0]
                 progress["peak_gpu_memory_bytes"] = memory

@@ -1,0 +1,59 @@
+"""What a role really holds, to set beside what the plan says (`benchmarks/plan_accuracy.py`): the peak memory of
+its work since it started, on the device the plan counts.
+
+On a GPU, torch's peak allocation on the device. On the CPU, the process's anonymous resident memory
+(RssAnon: what tensors, activations and buffers occupy; not the memory-mapped weight files, whose pages the
+kernel may drop) above what it held at the start, sampled every 5 ms by a daemon thread: a transient shorter than
+that can be missed. Light imports only (the stream's Ray Data actors import this).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+SAMPLE_S = 0.005
+
+
+def anonymous_rss() -> int:
+    """This process's anonymous resident memory in bytes (Linux /proc; 0 where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """The most memory held since construction, above what was held then (`peak()`, in bytes)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            return
+        self.baseline = self.highest = anonymous_rss()
+        self._stop = threading.Event()
+        threading.Thread(target=self._sample, daemon=True, name="peak-memory").start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self.highest = max(self.highest, anonymous_rss())
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        self.highest = max(self.highest, anonymous_rss())
+        return self.highest - self.baseline
+
+    def stop(self) -> int:
+        """The peak; the sampling stops (a role done with its work)."""
+        peak = self.peak()
+        if self.device.type != "cuda":
+            self._stop.set()
+        return peak
