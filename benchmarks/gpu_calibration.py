@@ -5,9 +5,11 @@ Nothing is downloaded. The base is a random-init model of Llama-2-7B's shape (d=
 32 heads, vocab 32000, 32 layers: `--layers` makes it shallower), in bf16. The three experts are
 the base with their top layer and final norm perturbed, saved as shards hard-linked to the base's
 wherever they are the same, so four models cost the disk little more than one. The merged model is
-the base itself: calibration throughput does not depend on what the merge computed. Each expert
-gets a GPU of its own where there are four or more; otherwise experts and the worker share them.
-ZeRO-3 partitions the frozen merged model and the corrections over the workers.
+the base itself: calibration throughput does not depend on what the merge computed. The layout is
+`darts-dist plan`'s: each expert gets a GPU of its own where there are four or more GPUs and every
+other GPU a worker (ZeRO-0, the frozen model replicated, unless the plan finds it does not fit a GPU:
+then ZeRO-3); with fewer, one worker holds a GPU (half of it where there is only one) and the experts
+share the rest. A layout the plan refuses is skipped, saying why.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import torch
 from common import emit, forward_floor, note, parser
 
 from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
-from darts_dist.config import parse_config
+from darts_dist.config import RunConfig, parse_config
 from darts_dist.fsutil import atomic_dir, cache_root
+from darts_dist.plan import build_plan
+from darts_dist.plan.check import local_node
+from darts_dist.plan.cluster import placement_problems, size_problems
 from darts_dist.sources.demo.tiny import build_tiny_tokenizer
 from darts_dist.sources.references import resolve_sources
 
@@ -78,6 +83,38 @@ def build_family(root: Path, layers: int) -> dict[str, Path]:
     return {"base": base, **experts}
 
 
+def layouts(gpus: int) -> list[dict[str, object]]:
+    """Cluster sections to try, the first the plan accepts wins: a GPU per expert and per worker, ZeRO-0 then
+    ZeRO-3; with fewer GPUs than roles, one worker and the experts sharing what is left."""
+    experts = len(TASKS)
+    if gpus >= experts + 1:
+        own = {"num_workers": gpus - experts, "expert_resources": {"GPU": 1}}
+        return [own | {"zero_stage": 0}, own | {"zero_stage": 3}]
+    worker = 1.0 if gpus > 1 else 0.5
+    return [{"num_workers": 1, "zero_stage": 0, "worker_resources": {"GPU": worker},
+             "expert_resources": {"GPU": (gpus - worker) / experts}}]
+
+
+def planned_config(family: dict[str, Path], args, gpus: int, gpu_bytes: int) -> tuple[RunConfig, list[str]]:
+    """The first layout `darts-dist plan` finds room for on one node of `gpus` GPUs of `gpu_bytes`, or the last
+    one tried with what the plan found wrong with it."""
+    for cluster in layouts(gpus):
+        config = parse_config({
+            "name": "gpu", "output_dir": str(cache_root() / "benchmarks" / "gpu-runs"),
+            "sources": {"base": str(family["base"]), "experts": [
+                {"task": task, "path": str(family[task]), "data": {"calibration": f"demo:{task}"}} for task in TASKS]},
+            "calibration": {"num_samples": args.samples, "steps": args.steps, "max_length": 512, "max_positions": 512,
+                            "batch_size": 8, "dtype": "bfloat16"},
+            "cluster": {"use_gpu": True, "run_id": f"gpu-{time.strftime('%Y%m%d-%H%M%S')}", **cluster},
+        })
+        roles = [role for role in build_plan(config).roles if role.phase == "calibration"]
+        node = local_node(roles) | {"GPU": float(gpus)}  # the job's local cluster, on this machine's GPUs
+        found = placement_problems(roles, [node]) + size_problems(roles, [node], gpu_bytes)
+        if not found:
+            return config, []
+    return config, found
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0], samples=64, steps=100)
     p.add_argument("--layers", type=int, default=32)
@@ -89,20 +126,12 @@ def main() -> None:
         return
     gpus = torch.cuda.device_count()
     family = build_family(cache_root() / "benchmarks" / f"llama2-7b-shaped-{args.layers}", args.layers)
-    own_gpus = gpus >= len(TASKS) + 1
-    config = parse_config({
-        "name": "gpu", "output_dir": str(cache_root() / "benchmarks" / "gpu-runs"),
-        "sources": {"base": str(family["base"]), "experts": [
-            {"task": task, "path": str(family[task]), "data": {"calibration": f"demo:{task}"}} for task in TASKS]},
-        "calibration": {"num_samples": args.samples, "steps": args.steps, "max_length": 512, "max_positions": 512,
-                        "batch_size": 8, "dtype": "bfloat16"},
-        "cluster": {
-            "use_gpu": True, "zero_stage": 3, "num_workers": max(1, gpus - len(TASKS)) if own_gpus else gpus,
-            "expert_resources": {"GPU": 1} if own_gpus else {"GPU": 0.5 / len(TASKS)},
-            "worker_resources": {} if own_gpus else {"GPU": 0.5},
-            "run_id": f"gpu-{time.strftime('%Y%m%d-%H%M%S')}",
-        },
-    })
+    config, found = planned_config(family, args, gpus, torch.cuda.get_device_properties(0).total_memory)
+    if found:
+        note("the plan refuses every layout on these GPUs:\n    " + "\n    ".join(found))
+        print(json.dumps({"name": "gpu_calibration", "value": None, "baseline": None, "ratio": None,
+                          "unit": "tokens/s", "skipped": found}), flush=True)
+        return
     sources = resolve_sources(config)
     merged = family["base"]
     note("timing the bare forward passes on one GPU")
@@ -118,7 +147,8 @@ def main() -> None:
          floor_ratio=round(wall / floor["total"], 3),
          breakdown={k: round(v, 2) for k, v in job.timings.items()},
          peak_gpu_memory_per_worker_gib=round((job.peak_gpu_memory_bytes or 0) / 2**30, 2),
-         gpus=gpus, workers=config.cluster.num_workers, zero_stage=3, layers=args.layers, tokens=tokens,
+         gpus=gpus, workers=config.cluster.num_workers, zero_stage=config.cluster.zero_stage, layers=args.layers,
+         tokens=tokens,
          steps=len(job.losses), device=torch.cuda.get_device_name(0))
 
 

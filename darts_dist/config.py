@@ -381,10 +381,10 @@ class RunConfig(_Section):
             raise ValueError("calibration.position_rank is set but calibration.position_bias is 'none'")
         device, on_ray = self.calibration.device, self.cluster.executor == "ray"
         worker_gpus = self.cluster.worker_resources.get("GPU", 1.0 if self.cluster.use_gpu else 0.0)
-        if on_ray and worker_gpus and (worker_gpus < 1 or worker_gpus != int(worker_gpus)):
-            raise ValueError(f"cluster.worker_resources GPU: {worker_gpus:g} would put a training rank on a share of a "
-                             "GPU, so two ranks could share one device, which NCCL refuses: give each worker whole "
-                             "GPUs (1)")
+        if on_ray and self.cluster.num_workers > 1 and worker_gpus and worker_gpus != int(worker_gpus):
+            raise ValueError(f"cluster.worker_resources GPU: {worker_gpus:g} puts each of the "
+                             f"{self.cluster.num_workers} training ranks on a share of a GPU, so two could share one "
+                             "device, which NCCL refuses: give each worker whole GPUs (1)")
         if self.cluster.use_gpu and device == "cpu":
             raise ValueError("cluster.use_gpu gives every actor a GPU, but calibration.device: cpu computes on the "
                              "CPU: set calibration.device auto (or cuda), or cluster.use_gpu false")

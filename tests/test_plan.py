@@ -17,7 +17,7 @@ from mlflow_server import free_port
 from transformers import AutoModelForCausalLM
 
 from darts_dist.cli import main
-from darts_dist.config import load_config
+from darts_dist.config import load_config, parse_config
 from darts_dist.plan import build_plan
 from darts_dist.plan.cluster import GIB, problems, unplaced
 from darts_dist.plan.shapes import model_config, shape_of
@@ -176,3 +176,48 @@ def test_a_live_cluster_with_four_fake_gpus_is_asked(llama2_7b: Path) -> None:
         assert "(5 in all)" in result.stderr and "fix:" in result.stderr
     finally:
         stop_processes(folder + "/")
+
+
+def test_the_commands_check_before_they_start_anything(llama2_7b: Path, tmp_path: Path, capsys) -> None:
+    """`calibrate`, `evaluate` and `serve` run the plan's check first: on this machine (no Ray cluster joined, no
+    GPU) a config asking for GPUs is refused before any merge, MLflow run or Ray session."""
+    for command in (["calibrate", str(llama2_7b)], ["evaluate", str(llama2_7b), "--corrections", str(llama2_7b)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "a local Ray cluster on this machine" in err and "GPU: 1" in err and "fix:" in err
+    assert not (tmp_path / "mnt").exists() and not Path("/mnt/runs/llama2-7b-code-math-chat").exists()
+    merged = tmp_path / "models" / "Llama-2-7b-hf"  # its serve section: 2 replicas, a GPU each
+    assert main(["serve", str(merged), "--config", str(llama2_7b)]) == 2
+    err = capsys.readouterr().err
+    assert "serving: serving replica asks for {CPU: 1, GPU: 1}" in err
+
+
+def test_an_autoscaler_waits_for_nodes_but_no_gpu_grows(llama2_7b: Path, monkeypatch, caplog) -> None:
+    from darts_dist.errors import DartsError
+    from darts_dist.plan.check import check_launch
+
+    config = load_config(llama2_7b)
+    plan = build_plan(config)
+    roles = [role for role in plan.roles if role.phase == "calibration"]
+    head = [{"CPU": 8.0, "memory": 32.0 * GIB}]  # the autoscaler has not added a GPU node yet
+    monkeypatch.setattr("darts_dist.plan.check.launch_nodes", lambda address, roles: (head, "a test cluster"))
+    with pytest.raises(DartsError, match="no node has it free"):
+        check_launch(roles, config.cluster)
+    scaling = config.cluster.model_copy(update={"autoscaler": True})
+    check_launch(roles, scaling)  # left to the autoscaler
+    assert "waiting up to 900 s" in caplog.text
+    small_gpus = [{"CPU": 64.0, "GPU": 8.0, "gpu_node": 8.0, "accelerator_type:T4": 1.0}]
+    monkeypatch.setattr("darts_dist.plan.check.launch_nodes", lambda address, roles: (small_gpus, "a test cluster"))
+    evaluation = [role for role in plan.roles if role.phase == "evaluation"]  # 24 GiB each with their KV cache
+    with pytest.raises(DartsError, match="GiB on a GPU"):
+        check_launch(evaluation, scaling)
+
+
+def test_the_driver_holds_no_model_when_the_models_are_on_gpus(llama2_7b: Path) -> None:
+    config = load_config(llama2_7b)
+    driver = next(role for role in build_plan(config).roles if role.phase == "driver")
+    assert "weights" not in driver.memory and driver.bytes < GIB
+    cpu = parse_config(config.model_dump(mode="json") | {"cluster": {"use_gpu": False}})
+    on_cpu = next(role for role in build_plan(cpu).roles if role.phase == "driver")
+    # On CPUs evaluation runs in-process: the merged model and one other at a time, in fp32.
+    assert on_cpu.memory["weights"] == 2 * build_plan(cpu).merged.weight_bytes("float32")
