@@ -42,7 +42,8 @@ def demo_config(out: Path, args: argparse.Namespace) -> Path:
     config = updated(
         config, name="plan-accuracy", output_dir=out,
         calibration=updated(config.calibration, steps=args.steps, num_samples=args.samples, validation_fraction=0.0),
-        evaluation=updated(config.evaluation, score_limit=args.problems, executor="ray"),
+        evaluation=updated(config.evaluation, score_limit=args.problems, generation_batch_size=args.problems,
+                           executor="ray"),
         tracking=updated(config.tracking, uri=f"sqlite:///{out}/mlflow.db"),
         cluster=updated(config.cluster, run_id=f"plan-accuracy-{time.strftime('%Y%m%d-%H%M%S')}"),
     )
@@ -95,7 +96,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--samples", type=int, default=32)
-    p.add_argument("--problems", type=int, default=2, help="evaluation.score_limit")
+    p.add_argument("--problems", type=int, default=8,
+                   help="evaluation.score_limit and generation_batch_size: one full batch of answers per task")
     p.add_argument("--port", type=int, default=8471)
     args = p.parse_args()
     out = Path(tempfile.mkdtemp(prefix="plan-accuracy-"))

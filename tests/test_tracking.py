@@ -273,3 +273,16 @@ def test_the_environment_wins_and_a_sqlite_store_is_local(tmp_path: Path, monkey
     experiment = client.get_experiment(experiment_id(client, embedded, "local-artifacts"))
     folder = Path(embedded.removeprefix("sqlite:///")).parent / "mlartifacts" / "local-artifacts"
     assert experiment.artifact_location == folder.as_uri()
+
+
+def test_a_version_registers_in_a_sqlite_store_other_than_the_environments(tmp_path: Path) -> None:
+    """A config's own sqlite store (tracking.uri) while MLFLOW_TRACKING_URI names another: MLflow's registry looks
+    the logged model up through the process-wide URI, so registration must point it at the config's store."""
+    uri = f"sqlite:///{tmp_path}/own.db"
+    assert os.environ["MLFLOW_TRACKING_URI"] != uri
+    client = connect(uri)
+    experiment = experiment_id(client, uri, "own-store")
+    run_id = client.create_run(experiment).info.run_id
+    logged = client.create_logged_model(experiment, source_run_id=run_id)
+    registration = register_version(client, "own-store-model", f"models:/{logged.model_id}", run_id, "champion")
+    assert client.get_model_version("own-store-model", registration.version).run_id == run_id

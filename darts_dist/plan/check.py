@@ -20,7 +20,7 @@ from darts_dist.errors import DartsError
 from darts_dist.plan import Plan, build_plan
 from darts_dist.plan.cluster import GIB, gpu_memory, placement_problems, read_nodes, size_problems
 from darts_dist.plan.roles import Role, correction_parameters, serving_role
-from darts_dist.plan.shapes import model_config, shape_of
+from darts_dist.plan.shapes import ModelShape, model_config, shape_of
 
 if TYPE_CHECKING:
     from darts_dist.serve.model import ModelSource
@@ -100,18 +100,24 @@ def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
 def check_serving(source: ModelSource, config: RunConfig | None, settings: ServeSection,
                   address: str | None = None) -> Role:
     """`serve` and `serve-deploy`: the replicas on the cluster they deploy onto. The model's shape comes from the
-    merged folder's config.json, or (a registered version, fetched by each replica) from its run's config."""
+    merged folder's config.json or (a registered version, which each replica fetches itself) from its run's
+    config; where neither is readable here, only the replicas' resources are checked."""
+    role = serving_role(settings, *_served_shape(source, config))
+    if not role.memory:
+        logger.info("serve: the model's config.json is not readable here: checking the replicas' resources only")
+    check_launch([role], config.cluster if config is not None else ClusterSection(), address)
+    return role
+
+
+def _served_shape(source: ModelSource, config: RunConfig | None) -> tuple[ModelShape | None, int]:
+    """The served model's shape and its corrections' parameter count (None, 0 where unknown here)."""
     if source.files is not None:
-        merged = shape_of(model_config(str(source.files.merged_dir)))
         corrections = source.files.corrections
         parameters = 0 if corrections is None else sum(
             math.prod(shape) for shape in read_header(corrections)["shapes"].values())
-    elif config is not None:
-        merged = shape_of(model_config(config.sources.base))
-        parameters = correction_parameters(config, merged)
-    else:
-        raise DartsError(f"{source.registered} has no run config to size its replicas by",
-                         "register it with `darts-dist calibrate` (which logs the config), or serve its files")
-    role = serving_role(settings, merged, parameters)
-    check_launch([role], config.cluster if config is not None else ClusterSection(), address)
-    return role
+        return shape_of(model_config(str(source.files.merged_dir))), parameters
+    try:
+        merged = shape_of(model_config(config.sources.base)) if config is not None else None
+    except DartsError:  # the run's base path is another machine's
+        merged = None
+    return merged, 0 if merged is None else correction_parameters(config, merged)

@@ -104,14 +104,17 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
     }) for name, shape in models.items()]
 
 
-def serving_role(settings: ServeSection, merged: ModelShape, correction_parameters: int) -> Role:
+def serving_role(settings: ServeSection, merged: ModelShape | None, correction_parameters: int) -> Role:
     """One serving replica (and how many at most): the merged model, its corrections, the KV cache of a full
-    batch and the prefix cache, one decoding step's activations."""
+    batch and the prefix cache, one decoding step's activations (no bytes where the shape is unknown)."""
     s = settings
     dtype = s.dtype if s.use_gpu else "float32"
     replicas = s.autoscaling_config.get("max_replicas", s.num_replicas) if s.autoscaling_config else s.num_replicas
+    bundle = {"CPU": s.num_cpus, "GPU": 1.0 if s.use_gpu else 0.0}
+    if merged is None:
+        return Role("serving replica", "serving", replicas, bundle)
     kv = merged.kv_bytes_per_token(dtype)
-    return Role("serving replica", "serving", replicas, {"CPU": s.num_cpus, "GPU": 1.0 if s.use_gpu else 0.0}, {
+    return Role("serving replica", "serving", replicas, bundle, {
         "weights": merged.weight_bytes(dtype) + correction_parameters * 4,
         "kv cache": (s.max_batch_tokens + s.prefix_cache_tokens) * kv,
         "activations": s.max_batch_size * merged.vocab_size * 4 + _forward(merged, s.max_batch_size, 1, 4),

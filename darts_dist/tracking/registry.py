@@ -183,9 +183,12 @@ def register_version(
         holder, holder_value = _alias_holder(client, name, alias)
         promoted, decision = alias_decision(alias, _run_metric(client, run_id), holder, holder_value)
         model_id = logged_model_uri.removeprefix("models:/")
-        version = client.create_model_version(
-            name, source=logged_model_uri, run_id=run_id, model_id=model_id, tags={DECISION_TAG: decision}
-        ).version
+        # MLflow's sqlite registry looks the logged model up through a client of the process-wide URI, not this
+        # client's: pointed at this store for the call, or a store other than MLFLOW_TRACKING_URI's fails here.
+        with environment(**{TRACKING_URI_ENV: client.tracking_uri}):
+            version = client.create_model_version(
+                name, source=logged_model_uri, run_id=run_id, model_id=model_id, tags={DECISION_TAG: decision}
+            ).version
         client.log_batch(run_id, tags=[RunTag(VERSION_TAG, f"{name}/{version}"), RunTag(DECISION_TAG, decision)])
         tagged = True
         if promoted:

@@ -300,7 +300,14 @@ def training_module(config: Mapping[str, object], tasks: Sequence[str], device: 
     if config.get("fit") == "coefficients":
         base = load_causal_lm(Path(config["base_dir"]), dtype=dtype, device=device)
         vectors = read_task_vectors(Path(config["base_dir"]), {t: Path(p) for t, p in config["experts"].items()})
-        return CoefficientModule(base, vectors.to(device), config["init"], settings).to(device)
+        module = CoefficientModule(base, vectors, config["init"], settings)  # on the CPU so far
+        if config["zero_stage"] == 3:
+            # Partitioned tensor by tensor as each moves to the device: a rank's GPU holds its share of the task
+            # vectors, never all of them at once (3 experts' in fp32 are 81 GB at 7B). DeepSpeed then leaves the
+            # placement as it is.
+            deepspeed.zero.Init(module=module, config_dict_or_path=deepspeed_config(settings, 3))
+            return module
+        return module.to(device)
     merged = load_causal_lm(Path(config["merged_dir"]), dtype=dtype, device=device)
     torch.manual_seed(settings.seed)  # the reference loop's initial corrections
     corrections = build_corrections(tasks, merged.config.hidden_size, settings).to(device)
