@@ -1,10 +1,11 @@
 """What a role really holds, to set beside what the plan says (`benchmarks/plan_accuracy.py`): the peak memory of
 its work since it started, on the device the plan counts.
 
-On a GPU, torch's peak allocation on the device. On the CPU, the process's anonymous resident memory
-(RssAnon: what tensors, activations and buffers occupy; not the memory-mapped weight files, whose pages the
-kernel may drop) above what it held at the start, sampled every 5 ms by a daemon thread: a transient shorter than
-that can be missed. Light imports only (the stream's Ray Data actors import this).
+On a GPU, torch's peak allocation on the device. On the CPU, the process's resident memory (VmRSS: tensors,
+activations and buffers, and the pages of memory-mapped weight files it has touched, since safetensors loads
+fp32 weights onto the CPU without a copy) above what it held at the start, sampled every 5 ms by a daemon
+thread: a transient shorter than that can be missed. Light imports only (the stream's Ray Data actors import
+this).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import torch
 SAMPLE_S = 0.005
 
 
-def anonymous_rss() -> int:
-    """This process's anonymous resident memory in bytes (Linux /proc; 0 where there is none)."""
+def resident_bytes() -> int:
+    """This process's resident memory in bytes (Linux /proc; 0 where there is none)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
+            if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -37,18 +38,18 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
             return
-        self.baseline = self.highest = anonymous_rss()
+        self.baseline = self.highest = resident_bytes()
         self._stop = threading.Event()
         threading.Thread(target=self._sample, daemon=True, name="peak-memory").start()
 
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            self.highest = max(self.highest, anonymous_rss())
+            self.highest = max(self.highest, resident_bytes())
 
     def peak(self) -> int:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self.baseline
-        self.highest = max(self.highest, anonymous_rss())
+        self.highest = max(self.highest, resident_bytes())
         return self.highest - self.baseline
 
     def stop(self) -> int:

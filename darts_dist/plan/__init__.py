@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from darts_dist.config import RunConfig
 from darts_dist.plan.roles import (Role, calibration_roles, correction_parameters, driver_role, evaluation_roles,
                                    serving_role)
-from darts_dist.plan.shapes import ModelShape, model_config, shape_of
+from darts_dist.plan.shapes import ModelShape, model_shape
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,8 @@ class Plan:
 def build_plan(config: RunConfig) -> Plan:
     """Every role's memory for `config`; reads each model's config.json, no weights (the merge has the base's
     shape)."""
-    merged = shape_of(model_config(config.sources.base))
-    experts = {e.task: shape_of(model_config(e.path)) for e in config.sources.experts}
+    merged = model_shape(config.sources.base)
+    experts = {e.task: model_shape(e.path) for e in config.sources.experts}
     roles = [*calibration_roles(config, experts, merged), *evaluation_roles(config, experts, merged),
              serving_role(config.serve, merged, correction_parameters(config, merged)), driver_role(config, experts, merged)]
     return Plan(merged, experts, roles, correction_parameters(config, merged))

@@ -20,7 +20,7 @@ from darts_dist.errors import DartsError
 from darts_dist.plan import Plan, build_plan
 from darts_dist.plan.cluster import GIB, gpu_memory, placement_problems, read_nodes, size_problems
 from darts_dist.plan.roles import Role, correction_parameters, serving_role
-from darts_dist.plan.shapes import ModelShape, model_config, shape_of
+from darts_dist.plan.shapes import ModelShape, model_shape
 
 if TYPE_CHECKING:
     from darts_dist.serve.model import ModelSource
@@ -115,9 +115,9 @@ def _served_shape(source: ModelSource, config: RunConfig | None) -> tuple[ModelS
         corrections = source.files.corrections
         parameters = 0 if corrections is None else sum(
             math.prod(shape) for shape in read_header(corrections)["shapes"].values())
-        return shape_of(model_config(str(source.files.merged_dir))), parameters
+        return model_shape(str(source.files.merged_dir)), parameters
     try:
-        merged = shape_of(model_config(config.sources.base)) if config is not None else None
+        merged = model_shape(config.sources.base) if config is not None else None
     except DartsError:  # the run's base path is another machine's
         merged = None
     return merged, 0 if merged is None else correction_parameters(config, merged)

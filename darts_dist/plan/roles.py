@@ -52,6 +52,12 @@ def correction_parameters(config: RunConfig, shape: ModelShape) -> int:
     return expected_parameter_count(spec, surgery_layer_count(config, shape.num_layers))
 
 
+def loaded_weights(shape: ModelShape, dtype: str) -> dict[str, int]:
+    """A model's weights as its role loads them: an adapter's base and merged copy are both held while it loads."""
+    weights = {"weights": shape.weight_bytes(dtype)}
+    return weights | {"adapter merge": shape.weight_bytes(dtype)} if shape.adapter else weights
+
+
 def _forward(shape: ModelShape, rows: int, length: int, itemsize: int) -> int:
     """One decoder layer's largest activations: attention in and out (4·d) and the MLP's two halves (2·I)."""
     return rows * length * (4 * shape.hidden_size + 2 * shape.intermediate_size) * itemsize
@@ -69,7 +75,7 @@ def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged:
     roles = []
     for task, shape in experts.items():
         roles.append(Role(f"expert actor ({task})", "calibration", 1, expert_bundle(cluster), {
-            "weights": shape.weight_bytes(dtype),
+            **loaded_weights(shape, dtype),
             "activations": (B * S * shape.vocab_size * item + S * shape.vocab_size * 4
                             + loss_layers * B * S * d * 4 + _forward(shape, B, S, item)),
         }))
@@ -97,7 +103,7 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
     answer = e.max_new_tokens or LONGEST_ANSWER
     models = {"merged": merged, **experts, **({"base": merged} if e.score_base else {})}
     return [Role(f"evaluation actor ({name})", "evaluation", 1, expert_bundle(config.cluster), {
-        "weights": shape.weight_bytes(dtype),
+        **loaded_weights(shape, dtype),
         "kv cache": e.generation_batch_size * (c.max_length + answer) * shape.kv_bytes_per_token(dtype),
         "activations": c.batch_size * c.max_length * shape.vocab_size * item + _forward(shape, c.batch_size,
                                                                                        c.max_length, item),

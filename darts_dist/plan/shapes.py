@@ -3,6 +3,7 @@ allocated), and the KV cache a token takes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ class ModelShape:
     vocab_size: int
     intermediate_size: int
     kv_values_per_token: int  # keys and values of every layer: 2 · layers · KV heads · head size
+    # Loaded from a PEFT adapter: the base's weights and the merged copy are both held while it loads.
+    adapter: bool = False
 
     def weight_bytes(self, dtype: str) -> int:
         return self.parameters * ITEMSIZE[dtype]
@@ -57,6 +60,17 @@ def _folder_config(folder: Path) -> PretrainedConfig:
         raise DartsError(f"{folder} has no config.json: the plan reads each model's shape from it",
                          "point the config at a Hugging Face model folder (config.json beside the weights)")
     return AutoConfig.from_pretrained(folder)
+
+
+def is_adapter(reference: str) -> bool:
+    """Whether a model source is a PEFT adapter on a base (the demo's experts are)."""
+    scheme = reference.partition(":")[0]
+    return scheme == "demo" or (scheme != "tiny" and (Path(reference) / "adapter_config.json").is_file())
+
+
+def model_shape(reference: str) -> ModelShape:
+    """The shape of a model source, from its config.json alone."""
+    return dataclasses.replace(shape_of(model_config(reference)), adapter=is_adapter(reference))
 
 
 def model_config(reference: str) -> PretrainedConfig:
