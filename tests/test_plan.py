@@ -178,9 +178,13 @@ def test_a_live_cluster_with_four_fake_gpus_is_asked(llama2_7b: Path) -> None:
         stop_processes(folder + "/")
 
 
-def test_the_commands_check_before_they_start_anything(llama2_7b: Path, tmp_path: Path, capsys) -> None:
+def test_the_commands_check_before_they_start_anything(llama2_7b: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     """`calibrate`, `evaluate` and `serve` run the plan's check first: on this machine (no Ray cluster joined, no
     GPU) a config asking for GPUs is refused before any merge, MLflow run or Ray session."""
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as a fresh command: not the test session's cluster
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     for command in (["calibrate", str(llama2_7b)], ["evaluate", str(llama2_7b), "--corrections", str(llama2_7b)]):
         assert main(command) == 2
         err = capsys.readouterr().err
