@@ -128,8 +128,9 @@ def main() -> None:
     measured["serving replica"] = serve_at_budget(config.run_dir, config.serve, args.port)
     for name, peak in measured.items():
         role = roles[name]
+        details = {"stages": result["driver_memory"]} if name == "driver" else {}
         emit("plan_accuracy", peak, role.bytes, "bytes", role=name, device="cpu",
-             planned={part: value for part, value in role.memory.items()})
+             planned={part: value for part, value in role.memory.items()}, **details)
 
 
 if __name__ == "__main__":

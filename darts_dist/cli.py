@@ -177,7 +177,8 @@ def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes:
         if has_heldout(state):
             print_tables(evaluation_tables(f"{config.name}: held-out, merged vs. corrected",
                                            run_evaluation(state, corrections)))
-        register_calibration(state)
+        with state.timed("registration"):
+            register_calibration(state)
         _print_registration(state)
         _finish(state.report, args.report, config.run_dir / "calibration.json", tracking)
 

@@ -47,6 +47,7 @@ from darts_dist.evaluate.plots import (
     plot_task_scores,
 )
 from darts_dist.fsutil import atomic_file
+from darts_dist.memory import PeakMemory
 from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
 from darts_dist.sources.models import (
     load_causal_lm,
@@ -191,13 +192,17 @@ class RunState:
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
-        """Add the wall-clock seconds of the block to the report's `seconds[stage]`: where a run's time goes."""
-        started = time.perf_counter()
+        """Add the wall-clock seconds of the block to the report's `seconds[stage]`, and the most memory this
+        process (the driver) held in it above what it held before to `driver_memory[stage]`: where a run's time
+        goes, and what the head node must hold."""
+        started, memory = time.perf_counter(), PeakMemory()
         try:
             yield
         finally:
             seconds = self.report.setdefault("seconds", {})
             seconds[stage] = round(seconds.get(stage, 0.0) + time.perf_counter() - started, 1)
+            held = self.report.setdefault("driver_memory", {})
+            held[stage] = max(held.get(stage, 0), memory.stop())
 
 
 def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
@@ -208,6 +213,7 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
     sources = resolve_sources(config)  # builds the demo's experts on first use
     config = with_concrete_layers(config, sources)
     sources_seconds = round(time.perf_counter() - started, 1)
+    merge_memory = PeakMemory()
     merged_dir = merge_stage(config, sources)
     with atomic_file(config.run_dir / RUN_CONFIG_FILE) as tmp:
         tmp.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
@@ -217,6 +223,7 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
         "merged": str(merged_dir),
         "plots": {},
         "seconds": {"sources": sources_seconds, "merge": round(time.perf_counter() - started - sources_seconds, 1)},
+        "driver_memory": {"merge": merge_memory.stop()},
     }
     if tracking is not None:
         log_config(tracking, config)

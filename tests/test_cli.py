@@ -67,6 +67,9 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
         assert Path(plot).read_bytes().startswith(b"\x89PNG")
     # Where the time went, stage by stage, on stdout and in the report.
     assert set(report["seconds"]) == {"sources", "merge", "calibration", "router", "evaluation", "registration"}
+    # What the driver held, stage by stage (the head node's share of the run).
+    assert set(report["driver_memory"]) == set(report["seconds"]) - {"sources"}
+    assert all(v >= 0 for v in report["driver_memory"].values()) and report["driver_memory"]["merge"] > 0
     assert "time per stage: sources" in result.stdout
     assert str(report_path) in result.stdout  # says where it wrote
     # stdout is the results; darts-dist's messages are log lines on stderr, the Ray workers' included.
