@@ -103,7 +103,7 @@ def test_auto_evaluates_on_ray_only_with_a_gpu_per_model(tiny_family, tmp_path: 
     cache = OutputCache(tmp_path / "cache")
     assert_close(evaluate_stage(missing, resolve_sources(missing), merged_dir, path, router, cache), want)
     # ...and where the plan says it cannot hold them, it never evaluates on the driver: it waits, then refuses.
-    monkeypatch.setattr("darts_dist.plan.check.driver_holds_evaluation", lambda config: False)
+    monkeypatch.setattr("darts_dist.pipeline.driver_holds_evaluation", lambda config: False)
     with pytest.raises(DartsError, match="no room for 4 evaluation actors"):
         evaluate_stage(missing, resolve_sources(missing), merged_dir, path, router, cache)
 
