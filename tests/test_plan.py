@@ -180,7 +180,9 @@ def test_a_live_cluster_with_four_fake_gpus_is_asked(llama2_7b: Path) -> None:
 
 def test_the_commands_check_before_they_start_anything(llama2_7b: Path, tmp_path: Path, capsys, monkeypatch) -> None:
     """`calibrate`, `evaluate` and `serve` run the plan's check first: on this machine (no Ray cluster joined, no
-    GPU) a config asking for GPUs is refused before any merge, MLflow run or Ray session."""
+    GPU) a config asking for GPUs is refused before any merge, MLflow run or Ray session, its `cluster.autoscaler`
+    notwithstanding (no autoscaler adds nodes to a local cluster)."""
+    assert load_config(llama2_7b).cluster.autoscaler
     import ray
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as a fresh command: not the test session's cluster
@@ -188,7 +190,8 @@ def test_the_commands_check_before_they_start_anything(llama2_7b: Path, tmp_path
     for command in (["calibrate", str(llama2_7b)], ["evaluate", str(llama2_7b), "--corrections", str(llama2_7b)]):
         assert main(command) == 2
         err = capsys.readouterr().err
-        assert "a local Ray cluster on this machine" in err and "GPU: 1" in err and "fix:" in err
+        assert "error: the cluster cannot hold this run" in err and "(on a local Ray cluster on this machine)" in err
+        assert "GPU: 1" in err and "fix:" in err
     assert not (tmp_path / "mnt").exists() and not Path("/mnt/runs/llama2-7b-code-math-chat").exists()
     merged = tmp_path / "models" / "Llama-2-7b-hf"  # its serve section: 2 replicas, a GPU each
     assert main(["serve", str(merged), "--config", str(llama2_7b)]) == 2
@@ -206,8 +209,8 @@ def test_an_autoscaler_waits_for_nodes_but_no_gpu_grows(llama2_7b: Path, monkeyp
     head = [{"CPU": 8.0, "memory": 32.0 * GIB}]  # the autoscaler has not added a GPU node yet
     monkeypatch.setattr("darts_dist.plan.check.launch_nodes", lambda address, roles: (head, "a test cluster"))
     with pytest.raises(DartsError, match="no node has it free"):
-        check_launch(roles, config.cluster)
-    scaling = config.cluster.model_copy(update={"autoscaler": True})
+        check_launch(roles, config.cluster.model_copy(update={"autoscaler": False}))  # a fixed cluster
+    scaling = config.cluster.model_copy(update={"autoscaler": True})  # as the shipped 7B examples say
     check_launch(roles, scaling)  # left to the autoscaler
     assert "waiting up to 900 s" in caplog.text
     small_gpus = [{"CPU": 64.0, "GPU": 8.0, "gpu_node": 8.0, "accelerator_type:T4": 1.0}]

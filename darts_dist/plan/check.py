@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from darts_dist.serve.model import ModelSource
 
 logger = logging.getLogger(__name__)
+LOCAL = "a local Ray cluster on this machine"
 
 FIX = ("add nodes or GPUs, ask for fewer (cluster.num_workers, expert_resources, serve.num_replicas), lower dtypes "
        "and batch sizes, or set cluster.zero_stage: 3 to partition the frozen model over the workers; "
@@ -51,13 +52,14 @@ def launch_nodes(address: str | None, roles: Sequence[Role]) -> tuple[list[dict[
         return [dict(node["Resources"]) for node in alive_nodes()], "the Ray cluster this process joined"
     if address:
         return read_nodes(address), f"the Ray cluster at {address}"
-    return [local_node(roles)], "a local Ray cluster on this machine"
+    return [local_node(roles)], LOCAL
 
 
 def check_launch(roles: Sequence[Role], cluster: ClusterSection, address: str | None = None,
                  driver: Role | None = None) -> None:
-    """Refuse (DartsError) what the nodes cannot hold; with `cluster.autoscaler`, actors that find no node yet
-    are left to the autoscaler (logged) and only what no node can ever hold (a GPU too small) is refused.
+    """Refuse (DartsError) what the nodes cannot hold; with `cluster.autoscaler` on a running cluster, actors that
+    find no node yet are left to the autoscaler (logged) and only what no node can ever hold (a GPU too small) is
+    refused.
     `driver`: the driver's role, checked against this machine's memory."""
     found = []
     if driver is not None and driver.bytes > psutil.virtual_memory().total:
@@ -70,7 +72,8 @@ def check_launch(roles: Sequence[Role], cluster: ClusterSection, address: str | 
         if gpu_bytes is None and not address and torch.cuda.is_available():
             gpu_bytes = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
         placement, sizes = placement_problems(roles, nodes), size_problems(roles, nodes, gpu_bytes)
-        if placement and cluster.autoscaler:
+        local = which == LOCAL  # a cluster the command starts itself: no autoscaler adds nodes to it
+        if placement and cluster.autoscaler and not local:
             logger.warning("the nodes of %s cannot hold every actor now; waiting up to %g s "
                            "(cluster.resource_wait_s) for the autoscaler to add nodes:\n    %s",
                            which, cluster.resource_wait_s, "\n    ".join(placement))
