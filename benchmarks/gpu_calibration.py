@@ -146,7 +146,7 @@ def main() -> None:
          seconds={"calibrate": round(wall, 2), "floor": round(floor["total"], 2)},
          floor_ratio=round(wall / floor["total"], 3),
          breakdown={k: round(v, 2) for k, v in job.timings.items()},
-         peak_gpu_memory_per_worker_gib=round((job.peak_gpu_memory_bytes or 0) / 2**30, 2),
+         peak_gpu_memory_per_worker_gib=round(max(job.memory["workers"]) / 2**30, 2),
          gpus=gpus, workers=config.cluster.num_workers, zero_stage=config.cluster.zero_stage, layers=args.layers,
          tokens=tokens,
          steps=len(job.losses), device=torch.cuda.get_device_name(0))

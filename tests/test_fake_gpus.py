@@ -80,7 +80,7 @@ def test_the_7b_shape_takes_four_distinct_gpus_and_the_driver_loads_no_model(
     assert result["router"]["accuracy"] >= 0 and "math" in result["variants"]["darts"]["tasks"]
     # Each role measured its own peak memory (benchmarks/plan_accuracy.py sets them beside the plan).
     memory = result["calibration"]["job"]["memory"]
-    assert len(memory["workers"]) == 1 and sorted(memory["experts"]) == sorted(TASKS)
+    assert memory["device"] == "cpu" and len(memory["workers"]) == 1 and sorted(memory["experts"]) == sorted(TASKS)
     assert all(peak > 0 for peak in [*memory["workers"], *memory["experts"].values()])
     assert sorted(result["evaluation_memory"]) == sorted(["merged", *(f"expert {t}" for t in TASKS)])
 

@@ -222,9 +222,9 @@ def test_an_autoscaler_waits_for_nodes_but_no_gpu_grows(llama2_7b: Path, monkeyp
 
 def test_the_driver_holds_no_model_when_the_models_are_on_gpus(llama2_7b: Path) -> None:
     config = load_config(llama2_7b)
-    driver = next(role for role in build_plan(config).roles if role.phase == "driver")
+    driver = build_plan(config).driver
     assert "weights" not in driver.memory and driver.bytes < GIB
     cpu = parse_config(config.model_dump(mode="json") | {"cluster": {"use_gpu": False}})
-    on_cpu = next(role for role in build_plan(cpu).roles if role.phase == "driver")
+    on_cpu = build_plan(cpu).driver
     # On CPUs evaluation runs in-process: the merged model and one other at a time, in fp32.
     assert on_cpu.memory["weights"] == 2 * build_plan(cpu).merged.weight_bytes("float32")

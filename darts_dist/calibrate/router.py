@@ -99,38 +99,35 @@ def _labelled_features(
     return torch.cat(features), torch.cat(labels)
 
 
-def merged_model(config: RunConfig, merged_dir: Path,
-                 model: PreTrainedModel | None = None) -> Callable[[], PreTrainedModel]:
-    """The merged model on the calibration's device, loaded on the first call (`model` if the caller holds it)."""
+def router_features(
+    config: RunConfig, data: Mapping[str, TaskFiles], merged_dir: Path, layer: LayerKey, known: Mapping[str, Tensor],
+    model: PreTrainedModel | None = None,
+) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, int]]:
+    """Labelled features (pooled prompt states, task indices) by split: the calibration prompts (`known` tasks' as
+    given) and, where there is held-out data, the held-out ones; and the output cache's counts. The merged model
+    (`model`, else loaded on first need, once for both splits) runs only for features the cache does not hold."""
+    settings, tasks = config.calibration, config.tasks
+    tokenizer = load_tokenizer(merged_dir)
+    device = resolve_device(settings.device)
+    dtype = model_dtype(settings.dtype, device)
+    cache = OutputCache() if config.evaluation.cache else None
+    identity = model_identity(merged_dir, dtype, device) if cache is not None else ""
     loaded = [] if model is None else [model]
 
     def merged() -> PreTrainedModel:
         if not loaded:
-            device = resolve_device(config.calibration.device)
-            loaded.append(load_causal_lm(merged_dir, dtype=model_dtype(config.calibration.dtype, device),
-                                         device=device))
+            loaded.append(load_causal_lm(merged_dir, dtype=dtype, device=device))
         return loaded[0]
 
-    return merged
-
-
-def split_features(
-    config: RunConfig, data: Mapping[str, TaskFiles], merged_dir: Path, layer: LayerKey, split: str,
-    known: Mapping[str, Tensor], merged: Callable[[], PreTrainedModel] | None = None,
-) -> tuple[Tensor, Tensor, dict[str, int]]:
-    """Labelled features of every task's `split` prompts (calibration or held-out) and the output cache's counts:
-    `known` tasks' as given, the rest from the merged model (`merged()`, by default loaded on first need)."""
-    settings, tasks = config.calibration, config.tasks
-    tokenizer = load_tokenizer(merged_dir)
-    device = resolve_device(settings.device)
-    cache = OutputCache() if config.evaluation.cache else None
-    identity = model_identity(merged_dir, model_dtype(settings.dtype, device), device) if cache is not None else ""
-    merged = merged or merged_model(config, merged_dir)
-    prompts = {task: task_prompts(data[task], split, config, tokenizer) for task in tasks
-               if task not in known and (split != "heldout" or data[task].heldout is not None)}
-    features, labels = _labelled_features(tasks, prompts, known, merged, tokenizer, layer, settings.batch_size, cache,
-                                          identity)
-    return features.cpu(), labels, cache.counts() if cache is not None else {"hits": 0, "misses": 0}
+    splits = {"calibration": known, **({"heldout": {}} if any(f.heldout is not None for f in data.values()) else {})}
+    labelled = {}
+    for split, given in splits.items():
+        prompts = {task: task_prompts(data[task], split, config, tokenizer) for task in tasks
+                   if task not in given and (split != "heldout" or data[task].heldout is not None)}
+        features, labels = _labelled_features(tasks, prompts, given, merged, tokenizer, layer, settings.batch_size,
+                                              cache, identity)
+        labelled[split] = (features.cpu(), labels)
+    return labelled, cache.counts() if cache is not None else {"hits": 0, "misses": 0}
 
 
 def fit_run_router(
@@ -149,29 +146,22 @@ def fit_run_router(
     correction).
     """
     tasks, path = config.tasks, config.run_dir / ROUTER_FILE
-    counts = {"hits": 0, "misses": 0}
-    merged = merged_model(config, merged_dir, model)  # one load for both splits
-
-    def labelled(split: str, known: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-        if config.models_on_gpus and model is None and not all(task in known for task in tasks):
-            from darts_dist.calibrate.ray.remote import run_as_expert
-
-            features, labels, used = run_as_expert(config.cluster, "the router's merged model", split_features,
-                                                   config, data, merged_dir, layer, split, known)
-        else:
-            features, labels, used = split_features(config, data, merged_dir, layer, split, known, merged)
-        counts.update({name: counts[name] + used[name] for name in counts})
-        return features, labels
-
     calibration_features = {task: pooled for task, pooled in (calibration_features or {}).items() if len(pooled)}
-    features, labels = labelled("calibration", calibration_features)
+    args = (config, data, merged_dir, layer, calibration_features)
+    if config.models_on_gpus and model is None:
+        from darts_dist.calibrate.ray.remote import run_as_expert
+
+        labelled, counts = run_as_expert(config.cluster, "the router's merged model", router_features, *args)
+    else:
+        labelled, counts = router_features(*args, model)
+    features, labels = labelled["calibration"]
     router = fit_router(features, labels, tasks, layer, threshold=config.serve.router_threshold)
     train_accuracy = router.accuracy(features, labels)
     router.save(path, metadata={"train_accuracy": train_accuracy, "train_prompts": len(labels)})
     report: dict[str, Any] = {"path": str(path), "layer": layer, "threshold": router.threshold,
                               "train_accuracy": train_accuracy}
-    if any(files.heldout is not None for files in data.values()):
-        features, labels = labelled("heldout", {})
+    if "heldout" in labelled:
+        features, labels = labelled["heldout"]
         report["accuracy"] = router.accuracy(features, labels)
         report["per_task"] = {task: router.accuracy(features[labels == i], labels[labels == i])
                               for i, task in enumerate(tasks) if (labels == i).any()}

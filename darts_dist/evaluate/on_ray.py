@@ -24,8 +24,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from darts_dist.calibrate.ray.cpu_share import cpu_share, node_cores, per_node
-from darts_dist.calibrate.ray.placement import alive_nodes, custom_resources, expert_actor_options, expert_bundle
-from darts_dist.calibrate.ray.remote import get_or_raise, ray_session
+from darts_dist.calibrate.ray.placement import alive_nodes, expert_actor_options, expert_bundle
+from darts_dist.calibrate.ray.remote import expert_cluster, get_or_raise, ray_session
 from darts_dist.config import RunConfig
 from darts_dist.errors import DartsError
 from darts_dist.memory import PeakMemory
@@ -115,14 +115,6 @@ class ModelPasses:
         return result
 
 
-def local_resources(config: RunConfig, actors: int) -> dict[str, object]:
-    """`ray.init` arguments of a local cluster for the evaluation: a logical CPU per actor (at least the
-    machine's cores) and the custom resources the actors ask for."""
-    return {"num_cpus": max(os.cpu_count() or 1, actors),
-            "resources": custom_resources([expert_bundle(config.cluster)] * actors),
-            "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
-
-
 def _fits(bundles: list[dict[str, float]]) -> bool:
     """Whether the cluster has, in all (busy or not), the resources of every bundle."""
     total = ray.cluster_resources()
@@ -148,7 +140,7 @@ def evaluate_on_ray(
              "merged": merged_dir}
     bundles = [{name: amount for name, amount in expert_bundle(cluster).items() if amount}] * len(roles)
     address = cluster.address or os.environ.get("RAY_ADDRESS")
-    with ray_session(address, local_resources(config, len(roles))):
+    with ray_session(address, expert_cluster(config.cluster, len(roles))):
         if config.evaluation.executor == "auto" and not _fits(bundles):
             if driver_holds_models():
                 logger.info("evaluate: the cluster has no room for %d model actors (%s each), and this machine "

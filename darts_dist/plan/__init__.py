@@ -19,6 +19,10 @@ class Plan:
     correction_parameters: int
 
     @property
+    def driver(self) -> Role:
+        return next(role for role in self.roles if role.phase == "driver")
+
+    @property
     def correction_share(self) -> float:
         """The correction's parameters as a share of the model's (the paper's "0.1%")."""
         return self.correction_parameters / self.merged.parameters

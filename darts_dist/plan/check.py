@@ -87,8 +87,7 @@ def driver_holds_evaluation(config: RunConfig) -> bool:
     """Whether this machine holds an in-process evaluation's models (the plan's driver, evaluating in-process)
     in the memory it has free."""
     in_process = updated(config, evaluation=updated(config.evaluation, executor="in-process"))
-    driver = next(role for role in build_plan(in_process).roles if role.phase == "driver")
-    return driver.bytes <= psutil.virtual_memory().available
+    return build_plan(in_process).driver.bytes <= psutil.virtual_memory().available
 
 
 def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
@@ -96,7 +95,7 @@ def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
     phases on the run's cluster, and the driver on this machine."""
     plan = build_plan(config)
     roles = [role for role in plan.roles if role.phase in phases]
-    check_launch(roles, config.cluster, driver=next(role for role in plan.roles if role.phase == "driver"))
+    check_launch(roles, config.cluster, driver=plan.driver)
     return plan
 
 

@@ -106,9 +106,9 @@ class JobResult:
     resumed_from: int | None
     checkpoint_path: str
     object_store_peak_bytes: int  # the most the object store held above its use when the job began
-    peak_gpu_memory_bytes: int | None  # the most a worker's GPU held (max over workers); None on CPUs
     # The most memory each worker's work ("workers", by rank) and each task's expert actor ("experts") held above
-    # what its process held before loading its model (darts_dist.memory): the plan's roles, measured.
+    # what its process held before loading its model, on the workers' "device" (darts_dist.memory: torch's peak
+    # allocation on a GPU): the plan's roles, measured.
     memory: dict[str, object]
     # Node ids: "workers" by rank, "experts" by task (calibrate.ray.worker.placement); "nodes": id ->
     # address and resources.
@@ -246,8 +246,6 @@ def stream_window_tokens(plan: JobPlan) -> int:
 
 
 def _cuda_devices() -> int:
-    import torch
-
     return torch.cuda.device_count()
 
 
@@ -379,7 +377,6 @@ def job_result(plan: JobPlan, checkpoint: ray.train.Checkpoint, started: float, 
         resumed_from=resumed_from,
         checkpoint_path=checkpoint.path,
         object_store_peak_bytes=object_store_peak_bytes,
-        peak_gpu_memory_bytes=progress.get("peak_gpu_memory_bytes"),
         memory=progress.get("memory", {}),
         placement={**progress["placement"], "nodes": nodes},
     )

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
@@ -39,6 +40,15 @@ def ray_session(address: str | None, local: Mapping[str, object]) -> Iterator[No
         ray.shutdown()
 
 
+def expert_cluster(cluster: ClusterSection, actors: int) -> dict[str, object]:
+    """`ray.init` arguments of a local cluster for `actors` actors with an expert's resources: their logical CPUs
+    (at least the machine's cores) and the custom resources they ask for; no idle workers started ahead."""
+    bundle = expert_bundle(cluster)
+    return {"num_cpus": max(os.cpu_count() or 1, math.ceil(bundle["CPU"] * actors)),
+            "resources": custom_resources([bundle] * actors),
+            "_system_config": {"enable_worker_prestart": False, "prestart_worker_first_driver": False}}
+
+
 def get_or_raise(refs: object) -> object:
     """ray.get, with a DartsError raised in a task or actor re-raised as itself (the command line's error and fix)."""
     try:
@@ -55,9 +65,7 @@ def run_as_expert(cluster: ClusterSection, what: str, work: Callable[..., T], *a
     within `cluster.resource_wait_s`."""
     bundle = {name: amount for name, amount in expert_bundle(cluster).items() if amount}
     address = cluster.address or os.environ.get("RAY_ADDRESS")
-    local = {"num_cpus": max(os.cpu_count() or 1, int(bundle.get("CPU", 1) + 0.999)),
-             "resources": custom_resources([bundle])}
-    with ray_session(address, local):
+    with ray_session(address, expert_cluster(cluster, 1)):
         group = placement_group([bundle])
         try:
             if not ray.wait([group.ready()], timeout=cluster.resource_wait_s)[0]:

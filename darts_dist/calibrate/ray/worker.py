@@ -403,13 +403,14 @@ def gather(*values: object) -> list:
 
 
 def role_memory(worker: PeakMemory, expert_memory: Mapping[str, int]) -> dict[str, object]:
-    """The most memory each rank's work and each task's expert actor held, gathered from every rank."""
+    """The most memory each rank's work and each task's expert actor held, gathered from every rank, and the
+    workers' device ("cuda": torch's peak allocation on the GPU; "cpu": resident memory)."""
     gathered = gather(worker.peak(), dict(expert_memory))
     experts: dict[str, int] = {}
     for _, seen in gathered:
         for task, peak in seen.items():
             experts[task] = max(experts.get(task, 0), peak)
-    return {"workers": [peak for peak, _ in gathered], "experts": experts}
+    return {"device": worker.device.type, "workers": [peak for peak, _ in gathered], "experts": experts}
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -514,8 +515,5 @@ def train_steps(
                 on_step.flush()
             progress["timings"]["train"] = time.time() - started
             progress["memory"] = measure()
-            if torch.cuda.is_available():
-                memory = reduce_over_ranks([torch.cuda.max_memory_allocated()], loss.device, "max")[0]
-                progress["peak_gpu_memory_bytes"] = memory
             save_checkpoint(engine, state, records, progress)
     log(f"step {state.step}/{settings.steps}, loss {state.losses[-1]:.4f}", force=True)
