@@ -313,6 +313,38 @@ def test_a_cached_prompt_prefix_gives_the_same_text_as_computing_it(lm: Correcte
     assert corrected.corrects_kv == (layers != ["final"])
 
 
+def test_joiners_with_cached_prefixes_of_other_lengths_prefill_apart_within_their_prompts(lm: CorrectedLM) -> None:
+    """One forward per cached length: a row never carries another's cached prefix or rest, so no prefill is wider
+    than its longest prompt (one forward for all was up to twice that, past the token budget); texts are exact."""
+    system = "You are a careful assistant. Answer briefly and exactly. " * 3
+    first = SequenceRequest(tuple(lm.encode(system + PROMPTS[0])), None, Sampling(4))
+    joiners = [SequenceRequest(tuple(lm.encode(system + PROMPTS[1])), None, Sampling(4)),  # the prefix cached
+               SequenceRequest(tuple(lm.encode(" ".join(MORE * 3))), None, Sampling(4)),  # nothing cached, long
+               SequenceRequest(tuple(lm.encode(PROMPTS[2])), None, Sampling(4))]
+
+    def generate(prefix_cache_tokens: int) -> tuple[list[Completion], list[int], int]:
+        batcher = ContinuousBatcher(lm, max_batch_size=4, prefix_cache_tokens=prefix_cache_tokens)
+        overshoot, forward = [], batcher._forward
+
+        def watched(input_ids, mask, positions, cache, sequences):
+            overshoot.append(mask.shape[1] - max(len(s.prompt) for s in sequences))
+            return forward(input_ids, mask, positions, cache, sequences)
+
+        batcher._forward = watched
+        listeners = [Collect() for _ in range(4)]
+        batcher.add(first, listeners[0])
+        batcher.step()  # the first prompt's blocks are stored
+        for request, listener in zip(joiners, listeners[1:]):
+            batcher.add(request, listener)
+        batcher.run_until_idle()
+        return [listener.finished.completion for listener in listeners], overshoot, batcher.stats().cached_prompt_tokens
+
+    cached, overshoot, hits = generate(4096)
+    uncached, _, _ = generate(0)
+    assert hits >= PREFIX_BLOCK and cached == uncached
+    assert max(overshoot) <= 0, overshoot
+
+
 def test_ignore_eos_generates_max_tokens(lm: CorrectedLM) -> None:
     ids = tuple(lm.encode(PROMPTS[0]))
     with lm.weighted(one_hot_tasks(torch.tensor([lm.task_index("code")]), len(TASKS))), torch.no_grad():

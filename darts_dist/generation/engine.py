@@ -182,6 +182,9 @@ class _Sequence:
         return self.request.ids + tuple(self.text.tokens)
 
 
+_Joiner = tuple[_Sequence, tuple[float, ...] | None, LayerKV | None]  # a sequence, its correction key, its cached KV
+
+
 class ContinuousBatcher:
     """The scheduler and the batch state; `step` runs one iteration. Not thread-safe except `add`, `add_group`
     and `cancel`.
@@ -364,12 +367,13 @@ class ContinuousBatcher:
         return True
 
     def _prefill(self, joining: list[_Sequence]) -> None:
-        """The joiners' prompts in one forward: their KV cache joins the batch's, their first tokens are drawn.
+        """The joiners' prompts, their KV cache joined to the batch's and their first tokens drawn: one forward per
+        length of cached prefix among them.
 
         Routed sequences are routed first, on the merged model's hidden states of their prompts. A prompt's
-        cached prefix is not computed again: its keys and values sit left-padded before the rest of the
-        prompt, which is left-padded in turn, and the mask and position ids say where each token is; after
-        the forward the rows are left-aligned, so no hole joins the batch.
+        cached prefix is not computed again: its keys and values sit before the rest of the prompt. Joiners whose
+        cached prefixes differ in length go in separate forwards: in one, every row would carry the longest prefix
+        and the longest rest, up to twice its prompt, past `max_batch_tokens`.
         """
         fresh = [s for s in joining if not s.started]  # a preempted sequence keeps its routing
         if fresh:
@@ -379,51 +383,50 @@ class ContinuousBatcher:
                 sequence.applied = applied[row]
                 sequence.started = True
             self.prompt_tokens += sum(len(s.request.ids) for s in fresh)
-        prompts = [s.prompt for s in joining]
-        for sequence, ids in zip(joining, prompts):
-            sequence.length = len(ids)
-        # The prefix cache's key: the correction, where it changes the keys and values.
-        corrections = [tuple(s.weights.tolist()) if s.weights is not None and self.lm.corrects_kv else None
-                       for s in joining]
-        cached = [self.prefixes.lookup(c, ids) for c, ids in zip(corrections, prompts)]
-        lengths = torch.tensor([n for n, _ in cached])
-        input_ids, mask = token_batch([ids[n:] for (n, _), ids in zip(cached, prompts)], self.lm.pad_id, side="left")
-        positions = mask_positions(mask) + lengths[:, None] * mask
-        past = self._past(cached)
+        groups: dict[int, list[_Joiner]] = {}
+        for sequence in joining:
+            sequence.length = len(sequence.prompt)
+            # The prefix cache's key: the correction, where it changes the keys and values.
+            correction = (tuple(sequence.weights.tolist()) if sequence.weights is not None and self.lm.corrects_kv
+                          else None)
+            cached, kv = self.prefixes.lookup(correction, sequence.prompt)
+            groups.setdefault(cached, []).append((sequence, correction, kv))
+            if sequence in fresh:
+                self.cached_prompt_tokens += cached
+        for cached, group in groups.items():  # a failed forward fails its own group only
+            self._guarded(self._prefill_group, [sequence for sequence, _, _ in group], cached, group, fresh)
+
+    def _prefill_group(self, cached: int, group: list[_Joiner], fresh: list[_Sequence]) -> None:
+        """One forward over joiners whose first `cached` prompt tokens are in the prefix cache: the rest of each
+        prompt left-padded after the cached keys and values; the mask and position ids say where each token is;
+        after the forward the rows are left-aligned, so no hole joins the batch."""
+        sequences = [sequence for sequence, _, _ in group]
+        input_ids, mask = token_batch([s.prompt[cached:] for s in sequences], self.lm.pad_id, side="left")
+        positions = mask_positions(mask) + cached * mask
+        past = self._past([kv for _, _, kv in group])
         if past is not None:
-            width = past[0][0].shape[2]
-            mask = torch.cat([(torch.arange(width) >= width - lengths[:, None]).long(), mask], dim=1)
+            mask = torch.cat([mask.new_ones(len(group), cached), mask], dim=1)
         cache = cache_with_past(self.lm.model.config, past)
-        logits = self._forward(input_ids, mask, positions, cache, joining)
-        for row, (correction, ids) in enumerate(zip(corrections, prompts)):
-            if joining[row] in fresh and self.prefixes.keeps(ids):  # prompts only, not what was generated
+        logits = self._forward(input_ids, mask, positions, cache, sequences)
+        for row, (sequence, correction, _) in enumerate(group):
+            if sequence in fresh and self.prefixes.keeps(sequence.prompt):  # prompts only, not what was generated
                 columns = mask[row].nonzero().squeeze(1).to(self.device)
-                self.prefixes.store(correction, ids, [(layer.keys[row][:, columns], layer.values[row][:, columns])
-                                                      for layer in cache.layers])
-        self.cached_prompt_tokens += sum(n for (n, _), s in zip(cached, joining) if s in fresh)
+                self.prefixes.store(correction, sequence.prompt, [(layer.keys[row][:, columns],
+                                                                   layer.values[row][:, columns])
+                                                                  for layer in cache.layers])
         if past is not None:  # no holes between a cached prefix and the rest of its prompt in the batch
             mask = left_align(cache, mask)
         self.cache.join(cache, mask.to(self.device))
-        self.running += joining
-        self._advance(joining, logits)
+        self.running += sequences
+        self._advance(sequences, logits)
 
     @staticmethod
-    def _past(cached: list[tuple[int, LayerKV | None]]) -> LayerKV | None:
-        """The joiners' cached prefixes as one batch past [B, heads, P, head_dim] per layer, each left-padded."""
-        found = [kv for _, kv in cached if kv is not None]
-        if not found:
+    def _past(found: list[LayerKV | None]) -> LayerKV | None:
+        """The joiners' cached prefixes, all of one length, as one batch past [B, heads, P, head_dim] per layer."""
+        if found[0] is None:
             return None
-        width = max(n for n, _ in cached)
-        past = []
-        for layer in range(len(found[0])):
-            keys, values = found[0][layer]
-            shape = (len(cached), keys.shape[0], width, keys.shape[2])
-            batch_keys, batch_values = keys.new_zeros(shape), values.new_zeros(shape)
-            for row, (n, kv) in enumerate(cached):
-                if kv is not None:
-                    batch_keys[row, :, width - n:], batch_values[row, :, width - n:] = kv[layer]
-            past.append((batch_keys, batch_values))
-        return past
+        return [(torch.stack([kv[layer][0] for kv in found]), torch.stack([kv[layer][1] for kv in found]))
+                for layer in range(len(found[0]))]
 
     def _decode(self) -> None:
         running = self.running
