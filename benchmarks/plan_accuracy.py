@@ -145,7 +145,7 @@ def main() -> None:
         role = roles[name]
         details = {"stages": result["driver_memory"]} if name == "driver" else {}
         emit("plan_accuracy", peak, role.bytes, "bytes", role=name, device="cpu",
-             planned={part: value for part, value in role.memory.items()}, **details)
+             planned=role.parts, peak_stage=role.peak_stage, **details)
 
 
 if __name__ == "__main__":

@@ -312,10 +312,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
                    ["model", "parameters", "GiB fp32", "GiB bf16", "KV MiB/token bf16"],
                    [[name, f"{s.parameters:,}", _gib(s.weight_bytes("float32")), _gib(s.weight_bytes("bfloat16")),
                      f"{s.kv_bytes_per_token('bfloat16') / (1 << 20):.3f}"] for name, s in shapes.items()])])
-    parts = sorted({part for role in plan.roles for part in role.memory})
-    print_tables([("roles: GiB per instance", ["role", "count", "device", "resources", *parts, "total"],
+    parts = sorted({part for role in plan.roles for part in role.parts})
+    print_tables([("roles: GiB per instance, at its peak", ["role", "count", "device", "resources", "peak stage",
+                                                            *parts, "total"],
                    [[r.name, str(r.count), r.device, ", ".join(f"{k} {v:g}" for k, v in r.bundle.items() if v),
-                     *(_gib(r.memory[p]) if p in r.memory else "-" for p in parts), _gib(r.bytes)]
+                     r.peak_stage or "-", *(_gib(r.parts[p]) if p in r.parts else "-" for p in parts), _gib(r.bytes)]
                     for r in plan.roles])])
     console.print(f"corrections: {plan.correction_parameters:,} parameters, {plan.correction_share:.3%} of the "
                   "model's")

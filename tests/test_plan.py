@@ -20,13 +20,14 @@ from darts_dist.cli import main
 from darts_dist.config import load_config, parse_config
 from darts_dist.plan import build_plan
 from darts_dist.plan.cluster import GIB, problems, unplaced
+from darts_dist.plan.roles import MAPPED_INPUTS, Role
 from darts_dist.plan.shapes import model_config, shape_of
 
 REPO = Path(__file__).absolute().parent.parent
 LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
              "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-             "tie_word_embeddings": False}
+             "tie_word_embeddings": False, "torch_dtype": "float16"}
 
 
 def llama_example(tmp_path: Path, name: str = "llama2-7b.yaml") -> Path:
@@ -222,9 +223,35 @@ def test_an_autoscaler_waits_for_nodes_but_no_gpu_grows(llama2_7b: Path, monkeyp
 
 def test_the_driver_holds_no_model_when_the_models_are_on_gpus(llama2_7b: Path) -> None:
     config = load_config(llama2_7b)
-    driver = build_plan(config).driver
-    assert "weights" not in driver.memory and driver.bytes < GIB
+    plan = build_plan(config)
+    driver = plan.driver
+    # Only the merge, on the CPU: the four models' fp16 files mapped and read once, a 5 GB output shard held.
+    assert list(driver.stages) == ["merge"] and "weights" not in driver.parts
+    assert driver.parts["mapped inputs"] == 4 * plan.merged.weight_bytes("float16")
+    assert driver.resident_bytes - driver.memory["calibration rows"] == 5 * 10**9
     cpu = parse_config(config.model_dump(mode="json") | {"cluster": {"use_gpu": False}})
     on_cpu = build_plan(cpu).driver
     # On CPUs evaluation runs in-process: the merged model and one other at a time, in fp32.
-    assert on_cpu.memory["weights"] == 2 * build_plan(cpu).merged.weight_bytes("float32")
+    assert on_cpu.stages["in-process"]["weights"] == 2 * build_plan(cpu).merged.weight_bytes("float32")
+
+
+def test_a_role_holds_its_largest_stage_and_needs_no_memory_for_inputs_read_once() -> None:
+    role = Role("driver", "driver", 1, {"CPU": 1.0}, {"rows": 1},
+                {"merge": {MAPPED_INPUTS: 100, "merge output": 10}, "router": {"weights": 50}})
+    assert role.peak_stage == "merge" and role.bytes == 111 and role.parts == {"rows": 1, MAPPED_INPUTS: 100,
+                                                                               "merge output": 10}
+    assert role.resident_bytes == 51  # the router's weights: the mapped files can be dropped, weights cannot
+
+
+def test_evaluation_actors_score_then_answer_and_the_base_only_answers(tiny_family) -> None:
+    config = parse_config({"name": "t", "sources": {"base": str(tiny_family.base), "experts": [
+        {"task": t, "path": str(p)} for t, p in tiny_family.experts.items()]},
+        "evaluation": {"executor": "ray", "generation_batch_size": 4}})
+    plan = build_plan(config)
+    actors = {role.name: role for role in plan.roles if role.phase == "evaluation"}
+    assert set(actors["evaluation actor (base)"].stages) == {"answers"}
+    merged = actors["evaluation actor (merged)"]
+    c, shape = config.calibration, plan.merged
+    # Logits in fp32, then NLL's fp32 copy of the shifted logits and its log-softmax.
+    assert merged.stages["scoring"]["logits"] == 3 * c.batch_size * c.max_length * shape.vocab_size * 4
+    assert merged.bytes == shape.weight_bytes("float32") + max(sum(stage.values()) for stage in merged.stages.values())

@@ -62,8 +62,8 @@ def check_launch(roles: Sequence[Role], cluster: ClusterSection, address: str | 
     refused.
     `driver`: the driver's role, checked against this machine's memory."""
     found = []
-    if driver is not None and driver.bytes > psutil.virtual_memory().total:
-        found.append(f"driver: holds {driver.bytes / GIB:.1f} GiB, this machine has "
+    if driver is not None and driver.resident_bytes > psutil.virtual_memory().total:
+        found.append(f"driver: holds {driver.resident_bytes / GIB:.1f} GiB, this machine has "
                      f"{psutil.virtual_memory().total / GIB:.1f} GiB")
     if roles:
         address = address or cluster.address or os.environ.get("RAY_ADDRESS")
@@ -87,7 +87,7 @@ def driver_holds_evaluation(config: RunConfig) -> bool:
     """Whether this machine holds an in-process evaluation's models (the plan's driver, evaluating in-process)
     in the memory it has free."""
     in_process = updated(config, evaluation=updated(config.evaluation, executor="in-process"))
-    return build_plan(in_process).driver.bytes <= psutil.virtual_memory().available
+    return build_plan(in_process).driver.resident_bytes <= psutil.virtual_memory().available
 
 
 def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
@@ -105,7 +105,7 @@ def check_serving(source: ModelSource, config: RunConfig | None, settings: Serve
     merged folder's config.json or (a registered version, which each replica fetches itself) from its run's
     config; where neither is readable here, only the replicas' resources are checked."""
     role = serving_role(settings, *_served_shape(source, config))
-    if not role.memory:
+    if not role.parts:
         logger.info("serve: the model's config.json is not readable here: checking the replicas' resources only")
     check_launch([role], config.cluster if config is not None else ClusterSection(), address)
     return role

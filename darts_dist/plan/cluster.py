@@ -94,8 +94,8 @@ def size_problems(roles: Sequence[Role], nodes: Sequence[dict[str, float]], gpu_
             if need > gpu_bytes:
                 found.append(f"{role.phase}: {role.name} needs {need / GIB:.1f} GiB on a GPU "
                              f"({_resources(role.bundle)}), the cluster's GPUs have {gpu_bytes / GIB:.0f} GiB")
-        elif share == 0 and node_memory and role.bytes > node_memory:
-            found.append(f"{role.phase}: {role.name} needs {role.bytes / GIB:.1f} GiB of memory on a CPU node, the "
+        elif share == 0 and node_memory and role.resident_bytes > node_memory:
+            found.append(f"{role.phase}: {role.name} needs {role.resident_bytes / GIB:.1f} GiB of memory on a CPU node, the "
                          f"largest node has {node_memory / GIB:.1f} GiB")
     return found
 

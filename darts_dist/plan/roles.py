@@ -2,9 +2,12 @@
 training workers of calibration, the evaluation actors, the serving replicas, and the driver.
 
 Estimates, on purpose simple: weights (parameters × the role's dtype), the forward's largest transient tensors
-(logits B·S·V, the hidden states the loss reads, one decoder layer's activations), the KV cache a generation may
-grow to, the worker's feature store (up to `cluster.feature_memory_mb`, the rest spills to disk), and Adam's state
-for the trained parameters (16 bytes each: fp32 value, gradient and two moments).
+(logits B·S·V and, for NLL, their fp32 shifted copy and its log-softmax; the hidden states the loss reads; one
+decoder layer's activations), the KV cache a generation may grow to, the worker's feature store (up to
+`cluster.feature_memory_mb`, the rest spills to disk), Adam's state for the trained parameters (16 bytes each: fp32
+value, gradient and two moments), and the driver's merge (mergekit maps every input's weight files and holds its
+output shard). A role whose work runs in stages one after another (the driver's merge, then its router; an
+evaluation actor's scoring passes, then its generation) holds its largest stage at its peak, not their sum.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from darts_dist.plan.shapes import ModelShape
 TOKEN_ROW_BYTES = 17  # input ids and attention mask (int64) and the response mask (bool) of a token
 ADAM_BYTES = 16  # per trained parameter: fp32 value, gradient, two moments
 LONGEST_ANSWER = 192  # the longest answer a darts-dist scorer asks for (HumanEval's), when the config names none
+MERGE_SHARD_BYTES = 5 * 10**9  # mergekit's default out_shard_size: the merge's output is held a shard at a time
+MAPPED_INPUTS = "mapped inputs"  # weight files mapped and read once: page cache the system drops under pressure
 
 
 @dataclass(frozen=True)
@@ -29,15 +34,37 @@ class Role:
     phase: str  # calibration, evaluation, serving or driver: roles of one phase run at once
     count: int
     bundle: Bundle  # Ray resources of one instance
-    memory: dict[str, int] = field(default_factory=dict)  # one instance's bytes by what holds them
+    memory: dict[str, int] = field(default_factory=dict)  # one instance's bytes held throughout, by what holds them
+    # Work one instance does one stage after another, each stage's bytes by what holds them: only the largest
+    # stage is held beside `memory` (the driver's merge, then its router; an evaluation's scoring, then answers).
+    stages: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def device(self) -> str:
         return "GPU" if self.bundle.get("GPU", 0) > 0 else "CPU"
 
     @property
+    def peak_stage(self) -> str | None:
+        return max(self.stages, key=lambda stage: sum(self.stages[stage].values()), default=None)
+
+    @property
+    def parts(self) -> dict[str, int]:
+        """What one instance holds at its peak: `memory` and its largest stage's parts."""
+        parts = dict(self.memory)
+        for part, value in self.stages.get(self.peak_stage or "", {}).items():
+            parts[part] = parts.get(part, 0) + value
+        return parts
+
+    @property
     def bytes(self) -> int:
-        return sum(self.memory.values())
+        return sum(self.parts.values())
+
+    @property
+    def resident_bytes(self) -> int:
+        """The most memory one instance needs resident: its bytes less input files mapped and read once."""
+        held = sum(self.memory.values())
+        return held + max((sum(v for part, v in stage.items() if part != MAPPED_INPUTS)
+                           for stage in self.stages.values()), default=0)
 
 
 def surgery_layer_count(config: RunConfig, num_layers: int) -> int:
@@ -50,12 +77,6 @@ def correction_parameters(config: RunConfig, shape: ModelShape) -> int:
     spec = CorrectionSpec(tuple(config.tasks), shape.hidden_size, c.rank, c.max_positions, c.position_bias,
                           c.position_rank)
     return expected_parameter_count(spec, surgery_layer_count(config, shape.num_layers))
-
-
-def loaded_weights(shape: ModelShape, dtype: str) -> dict[str, int]:
-    """A model's weights as its role loads them: an adapter's base and merged copy are both held while it loads."""
-    weights = {"weights": shape.weight_bytes(dtype)}
-    return weights | {"adapter merge": shape.weight_bytes(dtype)} if shape.adapter else weights
 
 
 def _forward(shape: ModelShape, rows: int, length: int, itemsize: int) -> int:
@@ -75,7 +96,7 @@ def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged:
     roles = []
     for task, shape in experts.items():
         roles.append(Role(f"expert actor ({task})", "calibration", 1, expert_bundle(cluster), {
-            **loaded_weights(shape, dtype),
+            "weights": shape.weight_bytes(dtype),
             "activations": (B * S * shape.vocab_size * item + S * shape.vocab_size * 4
                             + loss_layers * B * S * d * 4 + _forward(shape, B, S, item)),
         }))
@@ -93,8 +114,18 @@ def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged:
     return roles
 
 
+def _nll_logits(shape: ModelShape, rows: int, length: int, itemsize: int) -> int:
+    """A scoring pass's logits: B·S·V in the compute dtype, plus NLL's fp32 copy of the shifted logits and its
+    log-softmax (core.metrics.token_nll)."""
+    return rows * length * shape.vocab_size * (itemsize + 2 * 4)
+
+
 def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> list[Role]:
-    """The evaluation actors (one model each) when evaluation runs on Ray; else the driver holds them (driver_role)."""
+    """The evaluation actors (one model each) when evaluation runs on Ray; else the driver holds them (driver_role).
+
+    Each holds its model, then in turn its scoring passes (held-out NLL and bias: experts and the merge) and its
+    answers (task scores: a KV cache of `generation_batch_size` rows of a prompt up to `max_length` and the
+    longest answer, and their prefill)."""
     if not uses_ray(config):
         return []
     e, c = config.evaluation, config.calibration
@@ -102,12 +133,19 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
     item = 2 if dtype != "float32" else 4
     answer = e.max_new_tokens or LONGEST_ANSWER
     models = {"merged": merged, **experts, **({"base": merged} if e.score_base else {})}
-    return [Role(f"evaluation actor ({name})", "evaluation", 1, expert_bundle(config.cluster), {
-        **loaded_weights(shape, dtype),
-        "kv cache": e.generation_batch_size * (c.max_length + answer) * shape.kv_bytes_per_token(dtype),
-        "activations": c.batch_size * c.max_length * shape.vocab_size * item + _forward(shape, c.batch_size,
-                                                                                       c.max_length, item),
-    }) for name, shape in models.items()]
+    roles = []
+    for name, shape in models.items():
+        stages = {}
+        if name != "base":  # the base only answers (its task scores)
+            stages["scoring"] = {"logits": _nll_logits(shape, c.batch_size, c.max_length, item),
+                                 "activations": _forward(shape, c.batch_size, c.max_length, item)}
+        if e.score_limit != 0:
+            rows = e.generation_batch_size
+            stages["answers"] = {"kv cache": rows * (c.max_length + answer) * shape.kv_bytes_per_token(dtype),
+                                 "activations": _forward(shape, rows, c.max_length, item)}
+        roles.append(Role(f"evaluation actor ({name})", "evaluation", 1, expert_bundle(config.cluster),
+                          {"weights": shape.weight_bytes(dtype)}, stages))
+    return roles
 
 
 def serving_role(settings: ServeSection, merged: ModelShape | None, correction_parameters: int) -> Role:
@@ -127,15 +165,33 @@ def serving_role(settings: ServeSection, merged: ModelShape | None, correction_p
     })
 
 
+def merge_stages(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> dict[str, dict[str, int]]:
+    """The driver's stages before calibration: each adapter expert merged into its base (base and merged copy in
+    fp32, once: the folder is cached), and mergekit's merge on the CPU: every input's weight files mapped and read
+    (in their saved dtype) and the output held a shard at a time."""
+    stages = {}
+    if any(shape.adapter for shape in experts.values()):
+        stages["adapters"] = {"weights": 2 * merged.weight_bytes("float32")}
+    inputs = [merged, *experts.values()]  # the base and every expert
+    stages["merge"] = {MAPPED_INPUTS: sum(shape.weight_bytes(shape.saved_dtype) for shape in inputs),
+                       "merge output": min(merged.weight_bytes(merged.saved_dtype), MERGE_SHARD_BYTES)}
+    return stages
+
+
 def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> Role:
-    """The driver (the head node): the tokenised calibration sets and, unless the models are on GPU actors, the
-    models it runs itself: the merged one for the router's held-out check (fp32 on its CPU), the merged one and
-    one other at a time for an evaluation in-process, the merged one and one expert for a calibration in-process."""
+    """The driver (the head node): the tokenised calibration sets throughout; in stages the merge (merge_stages)
+    and, unless the models are on GPU actors, the models it runs itself: the merged one for the router's held-out
+    check and for MLflow's check of the logged model (fp32 on its CPU), the merged one and one other at a time for
+    an evaluation or a calibration in-process."""
     c = config.calibration
     memory = {"calibration rows": len(config.tasks) * c.num_samples * c.max_length * TOKEN_ROW_BYTES}
-    pair = not uses_ray(config) or config.cluster.executor != "ray"  # the merged model and one other at a time
-    if pair or not config.models_on_gpus:
-        memory["weights"] = merged.weight_bytes("float32")
-    if pair:
-        memory["weights"] += max(shape.weight_bytes("float32") for shape in experts.values())
-    return Role("driver", "driver", 1, {"CPU": 1.0}, memory)
+    stages = merge_stages(config, experts, merged)
+    if not config.models_on_gpus:
+        stages["router"] = {"weights": merged.weight_bytes("float32"),
+                            "activations": _forward(merged, c.batch_size, c.max_length, 4)}
+    if not uses_ray(config) or config.cluster.executor != "ray":  # the merged model and one other at a time
+        other = max(shape.weight_bytes("float32") for shape in experts.values())
+        stages["in-process"] = {"weights": merged.weight_bytes("float32") + other,
+                                "logits": _nll_logits(merged, c.batch_size, c.max_length, 4),
+                                "activations": _forward(merged, c.batch_size, c.max_length, 4)}
+    return Role("driver", "driver", 1, {"CPU": 1.0}, memory, stages)

@@ -26,7 +26,8 @@ class ModelShape:
     vocab_size: int
     intermediate_size: int
     kv_values_per_token: int  # keys and values of every layer: 2 · layers · KV heads · head size
-    # Loaded from a PEFT adapter: the base's weights and the merged copy are both held while it loads.
+    saved_dtype: str = "float32"  # of its weight files (config.json's dtype; fp32 where it names none)
+    # A PEFT adapter: merged into its base once, on the driver, and saved in fp32 (sources.models.materialize_adapter).
     adapter: bool = False
 
     def weight_bytes(self, dtype: str) -> int:
@@ -44,11 +45,13 @@ def shape_of(config: PretrainedConfig) -> ModelShape:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    saved = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).removeprefix("torch.")
     return ModelShape(
         parameters=sum(p.numel() for p in model.parameters()),
         hidden_size=text.hidden_size, num_layers=text.num_hidden_layers, vocab_size=text.vocab_size,
         intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-        kv_values_per_token=2 * text.num_hidden_layers * kv_heads * head_dim)
+        kv_values_per_token=2 * text.num_hidden_layers * kv_heads * head_dim,
+        saved_dtype=saved if saved in ITEMSIZE else "float32")
 
 
 def _folder_config(folder: Path) -> PretrainedConfig:
@@ -70,7 +73,8 @@ def is_adapter(reference: str) -> bool:
 
 def model_shape(reference: str) -> ModelShape:
     """The shape of a model source, from its config.json alone."""
-    return dataclasses.replace(shape_of(model_config(reference)), adapter=is_adapter(reference))
+    shape = shape_of(model_config(reference))
+    return dataclasses.replace(shape, adapter=True, saved_dtype="float32") if is_adapter(reference) else shape
 
 
 def model_config(reference: str) -> PretrainedConfig:
