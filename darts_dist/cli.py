@@ -37,7 +37,7 @@ logger = logging.getLogger("darts_dist.cli")
 
 
 # Wide enough for the result table when output goes to a file or CI log (rich assumes 80 there).
-console = Console(width=None if sys.stdout.isatty() else 200)  # piped: wide enough for the score table
+console = Console(width=None if sys.stdout.isatty() else 240)  # piped: wide enough for the score and plan tables
 errors = Console(stderr=True, soft_wrap=True)  # paths in messages stay on one line
 
 # Heavy imports (torch, transformers, mergekit) happen inside the commands, so `--help` and
@@ -318,6 +318,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
                    [[r.name, str(r.count), r.device, ", ".join(f"{k} {v:g}" for k, v in r.bundle.items() if v),
                      r.peak_stage or "-", *(_gib(r.parts[p]) if p in r.parts else "-" for p in parts), _gib(r.bytes)]
                     for r in plan.roles])])
+    for role in plan.roles:
+        if role.resident_bytes < role.bytes:
+            console.print(f"{role.name}: {_gib(role.resident_bytes)} GiB resident at most (its mapped inputs are "
+                          "weight files read once: page cache the system drops under pressure)")
     console.print(f"corrections: {plan.correction_parameters:,} parameters, {plan.correction_share:.3%} of the "
                   "model's")
     if args.address is None and args.resources is None:
