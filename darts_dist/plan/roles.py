@@ -165,7 +165,7 @@ def serving_role(settings: ServeSection, merged: ModelShape | None, correction_p
     })
 
 
-def merge_stages(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> dict[str, dict[str, int]]:
+def merge_stages(experts: dict[str, ModelShape], merged: ModelShape) -> dict[str, dict[str, int]]:
     """The driver's stages before calibration: each adapter expert merged into its base (base and merged copy in
     fp32, once: the folder is cached), and mergekit's merge on the CPU: every input's weight files mapped and read
     (in their saved dtype) and the output held a shard at a time."""
@@ -185,7 +185,7 @@ def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: Model
     an evaluation or a calibration in-process."""
     c = config.calibration
     memory = {"calibration rows": len(config.tasks) * c.num_samples * c.max_length * TOKEN_ROW_BYTES}
-    stages = merge_stages(config, experts, merged)
+    stages = merge_stages(experts, merged)
     if not config.models_on_gpus:
         stages["router"] = {"weights": merged.weight_bytes("float32"),
                             "activations": _forward(merged, c.batch_size, c.max_length, 4)}
