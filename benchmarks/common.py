@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import functools
 import json
 import os
@@ -36,6 +37,7 @@ from darts_dist.sources.references import ResolvedSources, resolve_sources
 
 # Ray's token auth is for shared clusters; a benchmark's local cluster is this process's own.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter and the fixed threshold in bytes
 
 
 def emit(name: str, value: float, baseline: float, unit: str, **details: object) -> None:
@@ -180,3 +182,12 @@ class PeakMemory:
         finally:
             self._stop.set()
             self._thread.join()
+
+
+def allocate_live_bytes_only() -> None:
+    """Make the CPU's resident memory track live tensors, as torch's GPU peak does: glibc keeps a freed block under
+    its dynamic mmap threshold (up to 32 MiB: a row of logits) in its heap, resident, until reused. A fixed 1 MiB
+    threshold returns every larger block to the system when freed, in this process (mallopt) and in the Ray
+    workers and server it starts (the environment, read when each process starts)."""
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
-from common import emit, note
+from common import allocate_live_bytes_only, emit, note
 
 # Everything `calibrate` imports, imported before the driver's measure starts: its peak is then the driver's work
 # (the merge, the router's model, MLflow's check of the logged model), not the code's own pages.
@@ -43,7 +42,6 @@ from darts_dist.plan import build_plan
 from darts_dist.plan.roles import Role
 
 REPO = Path(__file__).absolute().parent.parent
-M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 1 << 20  # glibc's mallopt parameter and the fixed threshold in bytes
 
 
 def demo_config(out: Path, args: argparse.Namespace) -> Path:
@@ -101,15 +99,6 @@ def serve_at_budget(run_dir: Path, settings, port: int) -> int:
     finally:
         server.terminate()
         server.wait(timeout=120)
-
-
-def allocate_live_bytes_only() -> None:
-    """Make the CPU's resident memory track live tensors, as torch's GPU peak does: glibc keeps a freed block under
-    its dynamic mmap threshold (up to 32 MiB: a row of logits) in its heap, resident, until reused. A fixed 1 MiB
-    threshold returns every larger block to the system when freed, in this process (mallopt) and in the Ray
-    workers and server it starts (the environment, read when each process starts)."""
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def main() -> None:

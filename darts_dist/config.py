@@ -118,6 +118,9 @@ class CoefficientSection(_Section):
     logit_weight: float = Field(default=0.0, ge=0.0)
 
 
+WIDE_HIDDEN_SIZE = 2048  # from here on, hidden states travel in bf16 on CPUs (wire_dtype: auto)
+
+
 class CalibrationSection(_Section):
     """The DARTS correction and its training (DESIGN.md §1), or learned merge coefficients, or both."""
 
@@ -152,6 +155,18 @@ class CalibrationSection(_Section):
     # computes fp32 whatever this says, and the corrections and their optimizer state are fp32 everywhere.
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     device: str = "auto"
+    # The dtype expert hidden states travel and are kept in on the workers (upcast to fp32 per minibatch). auto:
+    # on GPUs the dtype the experts compute in; on CPUs bfloat16 for wide models (hidden size >= 2048: half the
+    # bytes of the stream, the object store and the spill disk, for bf16 rounding of the targets) and fp32 below.
+    wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    def wire_dtype_for(self, hidden_size: int, on_gpu: bool) -> str:
+        """The dtype hidden states travel in, from experts of `hidden_size` on GPUs (`on_gpu`) or CPUs."""
+        if self.wire_dtype != "auto":
+            return self.wire_dtype
+        if on_gpu:
+            return self.dtype
+        return "bfloat16" if hidden_size >= WIDE_HIDDEN_SIZE else "float32"
 
     @field_validator("layers")
     @classmethod
@@ -496,7 +511,7 @@ def _resolve(value: Path | str, root: Path) -> Path:
     return value if value.is_absolute() else (root / value).absolute()
 
 
-REFERENCE_SCHEMES = ("bundled:", "demo:", "tiny:")
+REFERENCE_SCHEMES = ("bundled:", "demo:", "tiny:", "thin:")
 
 
 def _resolve_source(value: str, root: Path) -> str:

@@ -19,7 +19,7 @@ from darts_dist.merge import (
     mergekit_model_paths,
     run_merge,
 )
-from darts_dist.sources.demo.tiny import make_tiny_family
+from darts_dist.sources.demo.tiny import FamilyShape, make_tiny_family
 
 WEIGHTS = {"code": 0.5, "math": 0.3, "instruct": 0.8}
 TOP = "model.layers.3.mlp.down_proj.weight"  # perturbed in every expert
@@ -204,7 +204,7 @@ def test_method_input_count_is_checked_before_merging(tiny_family):
 
 
 def test_incompatible_expert_is_refused_before_any_weight_loads(tiny_family, tmp_path):
-    other = make_tiny_family(tmp_path / "other", tasks=("code",), hidden_size=32, num_layers=2)
+    other = make_tiny_family(tmp_path / "other", tasks=("code",), shape=FamilyShape(hidden_size=32, num_layers=2))
     config = build_mergekit_config(
         tiny_family.base, {"small": other.experts["code"]}, "task_arithmetic", parameters={"weight": 1.0}
     )

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
 from darts_dist.errors import DartsError
-from darts_dist.sources.demo.tiny import build_tiny_tokenizer, make_tiny_family
+from darts_dist.sources.demo.tiny import FamilyShape, build_tiny_tokenizer, make_tiny_family
 from darts_dist.sources.models import (
     BUNDLED_MODEL,
     ModelInfo,
@@ -95,7 +96,7 @@ def test_check_compatible_names_each_mismatched_field(tiny_family, tmp_path):
     with pytest.raises(DartsError, match=r"'wide' \(.*vocab\): vocab_size is 600, base has 512"):
         check_compatible(base, {"wide": other_vocab, "code": read_model_info(tiny_family.experts["code"])})
 
-    smaller = make_tiny_family(tmp_path / "small", tasks=("math",), hidden_size=32, num_layers=2)
+    smaller = make_tiny_family(tmp_path / "small", tasks=("math",), shape=FamilyShape(hidden_size=32, num_layers=2))
     with pytest.raises(DartsError) as error:
         check_compatible(base, {"small": read_model_info(smaller.experts["math"])})
     assert "hidden_size is 32, base has 64" in str(error.value)
@@ -243,3 +244,28 @@ def test_a_bug_while_loading_is_not_reported_as_corrupt_weights(tiny_family, mon
     monkeypatch.setattr("darts_dist.sources.models.AutoModelForCausalLM.from_pretrained", broken)
     with pytest.raises(TypeError, match="a bug"):
         load_causal_lm(tiny_family.base)
+
+
+def test_a_family_of_a_wide_shape_has_its_config_dtype_and_untied_head(tmp_path):
+    """The thin shapes' settings on a small width: a vocabulary beyond the tokenizer's, GQA heads, an untied
+    head, bf16 weights; the experts differ from the base only in the top half of the layers and the final norm."""
+    shape = FamilyShape(hidden_size=128, num_layers=2, intermediate_size=344, num_heads=4, num_kv_heads=2,
+                        vocab_size=1000, max_positions=2048, tie_embeddings=False, dtype="bfloat16")
+    family = make_tiny_family(tmp_path / "thin", tasks=("code",), shape=shape)
+    config = json.loads((family.base / "config.json").read_text())
+    assert (config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"]) == (128, 344, 2)
+    assert (config["vocab_size"], config["max_position_embeddings"], config["tie_word_embeddings"]) == (1000, 2048, False)
+    base, expert = (load_causal_lm(folder, dtype=torch.bfloat16) for folder in (family.base, family.experts["code"]))
+    assert next(base.parameters()).dtype == torch.bfloat16
+    assert base.lm_head.weight.data_ptr() != base.model.embed_tokens.weight.data_ptr()
+    changed = {name for name, tensor in expert.state_dict().items() if not torch.equal(tensor, base.state_dict()[name])}
+    assert changed and all(name.startswith(("model.layers.1.", "model.norm.")) for name in changed)
+    assert AutoTokenizer.from_pretrained(family.base).model_max_length == 2048
+
+
+def test_thin_references_name_a_shape_and_a_task():
+    from darts_dist.sources.references import resolve_model
+
+    for reference in ("thin:llama3-8b", "thin:llama2-7b/poetry"):
+        with pytest.raises(DartsError, match="thin:mistral-7b/code"):
+            resolve_model(reference)

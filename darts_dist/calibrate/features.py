@@ -29,10 +29,11 @@ from darts_dist.core import (
 def expert_targets(
     model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
 ) -> tuple[dict[LayerKey, torch.Tensor], torch.Tensor]:
-    """Expert k's hidden states at each surgery layer and its next-token entropy H_t (fp32)."""
+    """Expert k's hidden states at each surgery layer, in its compute dtype (they are upcast where they are used,
+    `TaskFeatures.rows`, not before they travel), and its next-token entropy H_t (fp32)."""
     with capture_hidden(model, layers) as hidden:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    return {k: v.float() for k, v in hidden.items()}, next_token_entropy(logits)
+    return dict(hidden), next_token_entropy(logits)
 
 
 @torch.no_grad()
@@ -101,19 +102,27 @@ class TaskFeatures:
         return self.input_ids.shape[0]
 
     def rows(self, index: torch.Tensor) -> dict[str, object]:
-        """A minibatch of rows, trimmed to its longest real sequence."""
+        """A minibatch of rows, trimmed to its longest real sequence, its hidden states in fp32.
+
+        Hidden states may be kept in half precision or as `Ragged` rows (the Ray workers'); either way
+        `v[index]` is the rows at `index`, padded.
+        """
         mask = self.attention_mask[index]
         length = int(mask.sum(dim=1).max())
         cut = slice(0, length)
+
+        def hidden(values) -> torch.Tensor:
+            return values[index][:, cut].float()
+
         return {
             "input_ids": self.input_ids[index][:, cut],
             "attention_mask": mask[:, cut],
             "response_mask": self.response_mask[index][:, cut],
             "positions": self.positions[index][:, cut],
             "entropy": self.entropy[index][:, cut],
-            "targets": {k: v[index][:, cut] for k, v in self.targets.items()},
-            "merged": {k: v[index][:, cut] for k, v in self.merged.items()},
-            "start_hidden": None if self.start_hidden is None else self.start_hidden[index][:, cut],
+            "targets": {k: hidden(v) for k, v in self.targets.items()},
+            "merged": {k: hidden(v) for k, v in self.merged.items()},
+            "start_hidden": None if self.start_hidden is None else hidden(self.start_hidden),
         }
 
 

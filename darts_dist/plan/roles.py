@@ -102,7 +102,8 @@ def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged:
         }))
     workers = cluster.num_workers
     rows = len(config.tasks) * c.num_samples / workers
-    per_token = TOKEN_ROW_BYTES + 4 + (loss_layers + 1) * d * 4  # + entropy, targets and the merged state, fp32
+    wire = 4 if c.wire_dtype_for(d, cluster.use_gpu) == "float32" else 2
+    per_token = TOKEN_ROW_BYTES + 4 + (loss_layers + 1) * d * wire  # + entropy, targets and the merged state
     trained = correction_parameters(config, merged)
     share = workers if cluster.zero_stage == 3 else 1  # ZeRO-3 partitions the frozen model and the optimizer
     roles.append(Role("calibration worker", "calibration", workers, worker_bundle(cluster), {

@@ -68,7 +68,7 @@ def _folder_config(folder: Path) -> PretrainedConfig:
 def is_adapter(reference: str) -> bool:
     """Whether a model source is a PEFT adapter on a base (the demo's experts are)."""
     scheme = reference.partition(":")[0]
-    return scheme == "demo" or (scheme != "tiny" and (Path(reference) / "adapter_config.json").is_file())
+    return scheme == "demo" or (scheme not in ("tiny", "thin") and (Path(reference) / "adapter_config.json").is_file())
 
 
 def model_shape(reference: str) -> ModelShape:
@@ -78,13 +78,13 @@ def model_shape(reference: str) -> ModelShape:
 
 
 def model_config(reference: str) -> PretrainedConfig:
-    """The config of a model source (a folder, an adapter, bundled:, demo:, tiny:) without its weights."""
-    from darts_dist.sources.references import resolve_model  # tiny: writes the tiny family on first use (small)
+    """The config of a model source (a folder, an adapter, bundled:, demo:, tiny:, thin:) without its weights."""
+    from darts_dist.sources.references import resolve_model  # tiny: and thin: write their family on first use
 
     scheme = reference.partition(":")[0]
     if reference == BUNDLED_MODEL or scheme == "demo":  # the demo experts are adapters on the bundled model
         return AutoConfig.from_pretrained(BUNDLED_CONFIG)
-    path = resolve_model(reference) if scheme == "tiny" else Path(reference)
+    path = resolve_model(reference) if scheme in ("tiny", "thin") else Path(reference)
     if not path.is_dir():
         raise DartsError(f"model {reference} is not a folder", "give a local Hugging Face model folder or adapter")
     return _folder_config(path)

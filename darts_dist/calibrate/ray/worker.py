@@ -40,7 +40,7 @@ from darts_dist.calibrate.loop import StepCallback, build_corrections, calibrati
 from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share, training_threads
 from darts_dist.calibrate.ray.feature_store import FeatureStore
 from darts_dist.calibrate.ray.placement import gpu_ids
-from darts_dist.calibrate.ray.stream import arrivals, from_wire, stored_tokens, target_column, token_column
+from darts_dist.calibrate.ray.stream import arrivals, stored_tokens, target_column, to_wire, token_column
 from darts_dist.config import CalibrationSection
 from darts_dist.core import DartsCorrections, attach_corrections, mask_positions, save_corrections
 from darts_dist.errors import DartsError
@@ -246,14 +246,18 @@ def drain(
             if router is not None and task in router.tasks:
                 router.add(task, batch["row"], *row_prompt_features(merged[router.layer], mask,
                                                                    token_column(batch["response_mask"])))
+        # The merged states are kept in the dtype the targets travelled in: the store holds every hidden state at
+        # the wire's width, and training upcasts a minibatch at a time.
+        wire = _wire_name(batch[target_column(settings.loss_layers()[0])][0].dtype)
+        kept = {layer: to_wire(merged[layer], wire) for layer in kept_layers}
         for i, row in enumerate(batch["row"]):
             length = len(batch["input_ids"][i])
             arrays = {**stored_tokens(batch, i), "entropy": batch["entropy"][i]}
             for layer in settings.loss_layers():
                 received += batch[target_column(layer)][i].nbytes
-                arrays[target_column(layer)] = from_wire(batch[target_column(layer)][i])
+                arrays[target_column(layer)] = batch[target_column(layer)][i]
             for layer in kept_layers:
-                arrays[merged_column(layer) if with_merged else START_COLUMN] = merged[layer][i, :length].cpu().numpy()
+                arrays[merged_column(layer) if with_merged else START_COLUMN] = kept[layer][i, :length]
             store.add(task, int(row), arrays)
         if window is not None:
             window.leave.remote(task, [int(row) for row in batch["row"]])
@@ -265,18 +269,26 @@ def drain(
     return received
 
 
+def _wire_name(dtype: np.dtype) -> str:
+    """The wire dtype's name of an array of hidden states as they travel (bf16 as uint16 bits)."""
+    return "bfloat16" if dtype == np.uint16 else np.dtype(dtype).name
+
+
 def task_features(store: FeatureStore, task: str, index: int, settings: CalibrationSection) -> TaskFeatures:
-    """One task's stored rows as the reference loop's TaskFeatures (memory-mapped where they spilled)."""
-    arrays = {name: torch.from_numpy(array) for name, array in store.arrays(task).items()}
-    mask = arrays["attention_mask"]
+    """One task's stored rows as the reference loop's TaskFeatures: the per-token fields padded in memory, the
+    hidden states as the store's `Ragged` rows (memory-mapped where they spilled), padded and upcast per minibatch."""
+    arrays = store.arrays(task)
+    dense = {name: torch.from_numpy(arrays.pop(name).padded())
+             for name in ("input_ids", "attention_mask", "response_mask", "entropy")}
+    mask = dense["attention_mask"]
     return TaskFeatures(
         task=task,
         task_index=index,
-        input_ids=arrays["input_ids"],
+        input_ids=dense["input_ids"],
         attention_mask=mask,
-        response_mask=arrays["response_mask"],
+        response_mask=dense["response_mask"],
         positions=mask_positions(mask),
-        entropy=arrays["entropy"],
+        entropy=dense["entropy"],
         targets={layer: arrays[target_column(layer)] for layer in settings.loss_layers()},
         merged={layer: arrays[merged_column(layer)] for layer in settings.layers if merged_column(layer) in arrays},
         start_hidden=arrays.get(START_COLUMN),

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from darts_dist.errors import DartsError
-from darts_dist.fsutil import atomic_dir
+from darts_dist.fsutil import atomic_dir, atomic_file
 
 DEMO_TASKS = ("code", "math", "instruct")
 # How each demo task's held-out answers are checked: a name in evaluate.task_scores.SCORERS.
@@ -404,3 +404,13 @@ _GENERATORS: dict[str, Callable[[random.Random, int], list[dict]]] = {
     "math": _math_rows,
     "instruct": _instruct_rows,
 }
+
+
+def long_texts(task_file: Path, count: int, out: Path) -> Path:
+    """`count` plain-text rows ({"text": ...}) at `out`, each a demo task file's conversations i, i + count, ... run
+    together: sequences as long as the measure of cost at 512-2048 tokens needs, where one problem is ~100 tokens."""
+    conversations = [json.loads(line)["messages"] for line in Path(task_file).read_text().splitlines()]
+    texts = ["\n\n".join(m["content"] for messages in conversations[i::count] for m in messages) for i in range(count)]
+    with atomic_file(out) as tmp:
+        tmp.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return out

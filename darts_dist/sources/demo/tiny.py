@@ -1,12 +1,14 @@
-"""Tiny random Llama models and a tiny tokenizer, for tests and `darts-dist demo --tiny`.
+"""Tiny random Llama models and a tiny tokenizer, for tests and `darts-dist demo --tiny`; and thin ones,
+as wide as real 7B models with few layers, for measuring cost at true width (`thin:llama2-7b`).
 
-A tiny family is a base model plus experts that differ from it only in the top half of
+A family is a base model plus experts that differ from it only in the top half of
 the layers and the final norm, the way top-layer fine-tunes of a real base do. All of it
-is built offline, deterministically, in about a second.
+is built offline, deterministically: a tiny family in about a second, a thin one in about a minute.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -144,6 +146,31 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @dataclass(frozen=True)
+class FamilyShape:
+    """A family's Llama shape; the defaults are the tiny family's."""
+
+    hidden_size: int = 64
+    num_layers: int = 4
+    intermediate_size: int | None = None  # None: twice the hidden size
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int | None = None  # None: the tokenizer's; larger leaves rows no token reaches, as padded vocabularies do
+    max_positions: int = 512
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # as saved
+
+
+# Real models' widths with two decoder layers: every per-token cost of the stream (hidden states, the
+# embeddings, the LM head, attention's heads) is the real model's, at a fraction of the layers' compute.
+THIN_SHAPES = {
+    "llama2-7b": FamilyShape(hidden_size=4096, num_layers=2, intermediate_size=11008, num_heads=32, num_kv_heads=32,
+                             vocab_size=32000, max_positions=4096, tie_embeddings=False, dtype="bfloat16"),
+    "mistral-7b": FamilyShape(hidden_size=4096, num_layers=2, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+                              vocab_size=32000, max_positions=4096, tie_embeddings=False, dtype="bfloat16"),
+}
+
+
+@dataclass(frozen=True)
 class TinyFamily:
     """Folders of a tiny base model and its experts, one per task."""
 
@@ -155,11 +182,10 @@ def make_tiny_family(
     out_dir: Path,
     tasks: Sequence[str] = ("code", "math", "instruct"),
     seed: int = 0,
-    hidden_size: int = 64,
-    num_layers: int = 4,
+    shape: FamilyShape = FamilyShape(),
     expert_scale: float = 0.05,
 ) -> TinyFamily:
-    """Write (or reuse) a random tiny Llama at out_dir/base and one expert per task at out_dir/<task>.
+    """Write (or reuse) a random Llama of `shape` at out_dir/base and one expert per task at out_dir/<task>.
 
     Each expert is the base plus Gaussian noise of `expert_scale` times each tensor's RMS
     on the top half of the layers and the final norm. A marker file records the settings,
@@ -171,8 +197,7 @@ def make_tiny_family(
     settings = {
         "tasks": list(tasks),
         "seed": seed,
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
+        **dataclasses.asdict(shape),
         "expert_scale": expert_scale,
         "vocab": hashlib.sha256(_tiny_tokenizer_json().encode()).hexdigest()[:16],
     }
@@ -193,15 +218,16 @@ def make_tiny_family(
     # A half-rebuilt family must not pass for the old one if this call is interrupted.
     marker.unlink(missing_ok=True)
     tokenizer = build_tiny_tokenizer()
+    tokenizer.model_max_length = shape.max_positions
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
+        vocab_size=shape.vocab_size or len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size or 2 * shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=shape.tie_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -209,12 +235,12 @@ def make_tiny_family(
     # Seed a private RNG stream so building a family never disturbs the caller's.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).eval()
+        model = LlamaForCausalLM(config).to(getattr(torch, shape.dtype)).eval()
     base_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
     _save(model, tokenizer, family.base)
     for task, folder in family.experts.items():
-        model.load_state_dict(_perturbed(base_state, task, seed, num_layers, expert_scale))
+        model.load_state_dict(_perturbed(base_state, task, seed, shape.num_layers, expert_scale))
         _save(model, tokenizer, folder)
     with atomic_file(marker) as tmp:
         tmp.write_text(json.dumps(settings, indent=2))
@@ -234,8 +260,8 @@ def _perturbed(
         if name.startswith(trained):
             # RMS rather than std: norm weights start as all ones, whose std is zero.
             rms = tensor.float().pow(2).mean().sqrt()
-            noise = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
-            tensor = tensor + scale * rms * noise
+            noise = torch.randn(tensor.shape, generator=generator)
+            tensor = (tensor.float() + scale * rms * noise).to(tensor.dtype)
         result[name] = tensor
     return result
 

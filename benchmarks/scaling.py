@@ -1,0 +1,211 @@
+"""scaling: how the calibration job's cost grows with the model's width and the sequence length.
+
+One whole Ray calibration job per point of hidden size x sequence length, on thin models (a real model's width,
+two decoder layers, vocabulary 32000; 4096 is `thin:llama2-7b`): three experts in actors, the stream in its wire
+dtype (bf16 from width 2048 on: `calibration.wire_dtype: auto`), one Train worker whose feature store spills past
+`--feature-mb`. Per point, JSON lines:
+- `scaling_wire`: bytes on the wire per token (hidden states, ids, masks, entropy) against hidden x 2 bytes x the
+  streamed layers + the 10 bytes of ids, masks and entropy (target: within 5%);
+- `scaling_stream`: the stream's seconds against the smallest point's seconds per token x hidden, times this
+  point's tokens x hidden (ratio 1: linear in tokens x hidden), with its forward FLOPs;
+- `scaling_worker_memory`: the worker's measured peak against the plan's (target: within 20%);
+- `scaling_spill`: spilled bytes per token against the bytes a token's fields take (no padding: <= 1.05; all but the
+  last `--feature-mb` spill);
+then `scaling_fit`: the exponents of stream time against tokens x hidden and against forward FLOPs, and a log-log
+PNG of time and memory per point (`--plot`). `--efficiency 1,4` adds calibration_efficiency at those multiples
+of the demo's calibration tokens (SmolLM2, as benchmarks/calibration_efficiency.py runs it).
+Sample counts per point are chosen so the grid runs in about 20 minutes on 2 cores (`--tokens`: per task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from common import PeakMemory, allocate_live_bytes_only, emit, note
+
+from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
+from darts_dist.config import parse_config
+from darts_dist.fsutil import cache_root
+from darts_dist.pipeline import merge_stage
+from darts_dist.plan import build_plan
+from darts_dist.sources.demo.tasks import DEMO_TASKS, long_texts
+from darts_dist.sources.demo.tiny import (
+    THIN_SHAPES,
+    FamilyShape,
+    TinyFamily,
+    make_tiny_family,
+)
+from darts_dist.sources.references import demo_data, resolve_sources
+
+WIDTHS = (576, 1024, 2048, 4096)
+LENGTHS = (128, 512, 2048)
+TOKEN_FIELD_BYTES = 4 + 1 + 1 + 4  # per token on the wire: input id (int32), two masks (bool), entropy (fp32)
+STORED_TOKEN_BYTES = 8 + 8 + 1 + 4  # per token in the worker's store: ids and attention mask int64, response mask, entropy
+
+
+def thin_family(hidden: int) -> TinyFamily:
+    """The thin family of `hidden`: `thin:llama2-7b`'s at 4096, else its proportions (head dim 64 below it)."""
+    shape = THIN_SHAPES["llama2-7b"]
+    if hidden != shape.hidden_size:
+        heads = hidden // 64
+        shape = FamilyShape(hidden_size=hidden, num_layers=2, intermediate_size=round(hidden * 11008 / 4096 / 64) * 64,
+                            num_heads=heads, num_kv_heads=heads, vocab_size=32000, max_positions=4096,
+                            tie_embeddings=False, dtype="bfloat16")
+    name = "llama2-7b" if hidden == 4096 else f"h{hidden}"
+    return make_tiny_family(cache_root() / "thin-family" / name, tasks=DEMO_TASKS, shape=shape)
+
+
+def forward_flops(shape_config: dict, tokens: int) -> float:
+    """Forward FLOPs of `tokens` through a Llama of this config.json (2 per multiply-add; attention's scores left
+    out, as they are a few percent at these lengths and widths)."""
+    h, i, v = shape_config["hidden_size"], shape_config["intermediate_size"], shape_config["vocab_size"]
+    kv = h * shape_config["num_key_value_heads"] // shape_config["num_attention_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i
+    return 2.0 * tokens * (shape_config["num_hidden_layers"] * per_layer + h * v)
+
+
+def point_config(family: TinyFamily, length: int, samples: int, data: dict[str, Path], out: Path,
+                 args: argparse.Namespace):
+    return parse_config({
+        "name": f"scaling-{family.base.parent.name}-{length}",
+        "output_dir": str(out),
+        "sources": {"base": str(family.base),
+                    "experts": [{"task": task, "path": str(family.experts[task]),
+                                 "data": {"calibration": str(data[task])}} for task in DEMO_TASKS]},
+        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
+        "calibration": {"rank": 4, "max_positions": length, "num_samples": samples, "max_length": length,
+                        "batch_size": max(1, min(8, 1024 // length)), "steps": args.steps, "learning_rate": 0.01},
+        "cluster": {"num_workers": args.workers, "zero_stage": args.zero_stage, "feature_memory_mb": args.feature_mb,
+                    "run_id": f"scaling-{time.strftime('%Y%m%d-%H%M%S')}"},
+    })
+
+
+def run_point(hidden: int, length: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
+    """One Ray calibration job at (hidden, length); its measures."""
+    family = thin_family(hidden)
+    samples = max(args.workers, args.tokens // length)  # every worker needs a row of every task
+    data = {task: long_texts(demo_data()[task]["calibration"], samples, out / f"{task}-{samples}.jsonl")
+            for task in DEMO_TASKS}
+    config = point_config(family, length, samples, data, out, args)
+    with contextlib.redirect_stdout(sys.stderr):
+        sources = resolve_sources(config)
+        merged = merge_stage(config, sources)
+        plan = job_plan(config, sources, merged)
+    tokens = sum(int(rows.attention_mask.sum()) for rows in plan.data.values())
+    planned = next(role for role in build_plan(config).roles if role.name == "calibration worker")
+    note(f"scaling: hidden {hidden}, {length} tokens, {samples} samples per task ({tokens} tokens)")
+    with PeakMemory().watching() as processes:
+        job = run_calibration_job(plan)
+    shape = json.loads((family.base / "config.json").read_text())
+    return {"hidden": hidden, "length": length, "samples": samples, "tokens": tokens, "job": job,
+            "zero_stage": args.zero_stage,
+            "planned_worker": planned.bytes, "processes": processes.peak,
+            "flops": forward_flops(shape, tokens) * 2}  # each token through its expert and the merged model
+
+
+def emit_point(point: dict[str, object], seconds_per_unit: float, wire_layers: int) -> None:
+    job, hidden, tokens = point["job"], point["hidden"], point["tokens"]
+    counts = {"hidden": hidden, "length": point["length"], "samples_per_task": point["samples"], "tokens": tokens,
+              "workers": len(job.memory["workers"]), "zero_stage": point["zero_stage"]}
+    wire_item = 2 if hidden >= 2048 else 4
+    emit("scaling_wire", job.stream["bytes"] / tokens + TOKEN_FIELD_BYTES,
+         hidden * wire_item * wire_layers + TOKEN_FIELD_BYTES, "bytes/token", target_ratio=[0.95, 1.05], **counts)
+    emit("scaling_stream", job.timings["stream"], seconds_per_unit * tokens * hidden, "s",
+         forward_tflops=round(point["flops"] / 1e12, 3), job_seconds=round(job.timings["total"], 1), **counts)
+    emit("scaling_worker_memory", max(job.memory["workers"]), point["planned_worker"], "bytes",
+         target_ratio=[0.8, 1.2], device=job.memory["device"], **counts)
+    hidden_fields = 2 * hidden * wire_item  # the target and the merged state kept per token
+    emit("scaling_spill", job.stream["spilled_bytes"] / tokens, hidden_fields + STORED_TOKEN_BYTES,
+         "bytes/token", target_ratio=[0, 1.05], spilled_bytes=job.stream["spilled_bytes"],
+         expert_actor_peak=max(job.memory["experts"].values()), object_store_peak=job.object_store_peak_bytes,
+         process_private_peak=point["processes"], **counts)
+
+
+def fit_exponent(x: list[float], y: list[float]) -> float:
+    """The slope of log y against log x: y ~ x^slope."""
+    return float(np.polyfit(np.log(x), np.log(y), 1)[0])
+
+
+def plot(points: list[dict[str, object]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for length in sorted({p["length"] for p in points}):
+        row = [p for p in points if p["length"] == length]
+        work = [p["tokens"] * p["hidden"] for p in row]
+        time_axis.loglog(work, [p["job"].timings["stream"] for p in row], "o-", label=f"{length} tokens")
+        memory_axis.loglog([p["hidden"] for p in row], [max(p["job"].memory["workers"]) / 2**30 for p in row], "o-",
+                           label=f"worker, {length} tokens")
+        memory_axis.loglog([p["hidden"] for p in row], [max(p["job"].memory["experts"].values()) / 2**30 for p in row],
+                           "s--", label=f"expert actor, {length} tokens")
+    time_axis.set(xlabel="tokens x hidden", ylabel="stream seconds", title="Stream time")
+    memory_axis.set(xlabel="hidden size", ylabel="peak GiB", title="Peak memory per role")
+    for axis in (time_axis, memory_axis):
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def efficiency(multiples: list[int]) -> None:
+    """calibration_efficiency at multiples of the demo's calibration tokens, each in its own process."""
+    import subprocess
+
+    for multiple in multiples:
+        note(f"scaling: calibration_efficiency at {multiple}x the demo's calibration tokens")
+        result = subprocess.run([sys.executable, str(Path(__file__).with_name("calibration_efficiency.py")),
+                                 "--samples", str(128 * multiple), "--steps", "400"], capture_output=True, text=True, check=False)
+        sys.stderr.write(result.stderr[-2000:])
+        for line in result.stdout.splitlines():
+            record = json.loads(line)
+            emit("scaling_efficiency", record["value"], record["baseline"], "s", multiple=multiple,
+                 breakdown=record["breakdown"], rows=record["rows"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--widths", default=",".join(map(str, WIDTHS)))
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--tokens", type=int, default=1024, help="calibration tokens per task and point (at least a row)")
+    p.add_argument("--default-allocator", action="store_true",
+                   help="measure with glibc's dynamic mmap threshold (see benchmarks/plan_accuracy.py)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per point (training is not what is measured)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    p.add_argument("--workers", type=int, default=1, help="calibration workers (e.g. 2 with --zero-stage 3)")
+    p.add_argument("--feature-mb", type=int, default=1, help="the worker's feature memory; past it rows spill")
+    p.add_argument("--efficiency", default="", help="multiples of the demo's calibration tokens, e.g. 1,4")
+    p.add_argument("--plot", type=Path, default=Path("scaling.png"))
+    args = p.parse_args()
+    if not args.default_allocator:
+        allocate_live_bytes_only()  # the worker's peak against the plan, as plan_accuracy measures it
+    out = Path(tempfile.mkdtemp(prefix="scaling-"))
+    points = [run_point(hidden, length, args, out)
+              for hidden in map(int, args.widths.split(",")) for length in map(int, args.lengths.split(","))]
+    smallest = min(points, key=lambda p: p["tokens"] * p["hidden"])
+    seconds_per_unit = smallest["job"].timings["stream"] / (smallest["tokens"] * smallest["hidden"])
+    for point in points:
+        emit_point(point, seconds_per_unit, wire_layers=1)
+    stream = [p["job"].timings["stream"] for p in points]
+    work = [p["tokens"] * p["hidden"] for p in points]
+    if len(set(work)) > 1:
+        emit("scaling_fit", fit_exponent(work, stream), 1.0, "exponent", target_ratio=[0.9, 1.1],
+             exponent_against_flops=round(fit_exponent([p["flops"] for p in points], stream), 3),
+             points=[[p["hidden"], p["length"], p["samples"]] for p in points])
+    plot(points, args.plot)
+    note(f"scaling: plot at {args.plot}")
+    if args.efficiency:
+        efficiency([int(m) for m in args.efficiency.split(",")])
+
+
+if __name__ == "__main__":
+    main()
