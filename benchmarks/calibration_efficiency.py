@@ -10,6 +10,8 @@ Defaults: the demo's models and data (SmolLM2-135M and its three experts), 128 s
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 
 from common import demo_setup, emit, forward_floor, note, parser
@@ -27,7 +29,8 @@ def main() -> None:
     floor = forward_floor(config, sources, merged)
     note(f"floor {floor['total']:.1f} s; now the whole calibration job")
     start = time.perf_counter()
-    job = run_calibration_job(job_plan(config, sources, merged))
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line; Ray prints raylet warnings
+        job = run_calibration_job(job_plan(config, sources, merged))
     wall = time.perf_counter() - start
     breakdown = {**job.timings, "outside_the_job": wall - job.timings["total"]}
     emit("calibration_efficiency", wall, floor["total"], "s", target_ratio=1.2, cpu_schedule=args.cpu_schedule,

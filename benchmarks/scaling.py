@@ -8,13 +8,17 @@ dtype (bf16 from width 2048 on: `calibration.wire_dtype: auto`), one Train worke
   streamed layers + the 10 bytes of ids, masks and entropy (target: within 5%);
 - `scaling_stream`: the stream's seconds against the smallest point's seconds per token x hidden, times this
   point's tokens x hidden (ratio 1: linear in tokens x hidden), with its forward FLOPs;
+- `scaling_marginal` per width: what a further token costs the stream (the slope of seconds over the width's
+  points) against the narrowest width's, scaled by hidden (ratio 1: linear in hidden), and the fixed part;
 - `scaling_worker_memory`: the worker's measured peak against the plan's (target: within 20%);
 - `scaling_spill`: spilled bytes per token against the bytes a token's fields take (no padding: <= 1.05; all but the
   last `--feature-mb` spill);
-then `scaling_fit`: the exponents of stream time against tokens x hidden and against forward FLOPs, and a log-log
-PNG of time and memory per point (`--plot`). `--efficiency 1,4` adds calibration_efficiency at those multiples
-of the demo's calibration tokens (SmolLM2, as benchmarks/calibration_efficiency.py runs it).
-Sample counts per point are chosen so the grid runs in about 20 minutes on 2 cores (`--tokens`: per task).
+then `scaling_fit`: the exponent of the marginal cost per token against hidden (target 0.9-1.1), with those of the
+whole stream time against tokens x hidden and against forward FLOPs; and a log-log PNG of time and memory per
+point (`--plot`). `--efficiency 1,2` adds calibration_efficiency at those multiples of the demo's calibration
+tokens (SmolLM2, as benchmarks/calibration_efficiency.py runs it; the demo's calibration set has 256 rows a task,
+so 2 is the most it holds). Sample counts per point are chosen so the grid runs in about 14 minutes on 2 cores
+(`--tokens`: per task).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +47,7 @@ from darts_dist.sources.demo.tiny import (
     TinyFamily,
     make_tiny_family,
 )
+from darts_dist.sources.models import load_tokenizer
 from darts_dist.sources.references import demo_data, resolve_sources
 
 WIDTHS = (576, 1024, 2048, 4096)
@@ -81,7 +87,9 @@ def point_config(family: TinyFamily, length: int, samples: int, data: dict[str, 
                                  "data": {"calibration": str(data[task])}} for task in DEMO_TASKS]},
         "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
         "calibration": {"rank": 4, "max_positions": length, "num_samples": samples, "max_length": length,
-                        "batch_size": max(1, min(8, 1024 // length)), "steps": args.steps, "learning_rate": 0.01},
+                        # about 1024 tokens a batch, and a batch of every task for each worker
+                        "batch_size": max(1, min(8, 1024 // length, samples // args.workers)), "steps": args.steps,
+                        "learning_rate": 0.01},
         "cluster": {"num_workers": args.workers, "zero_stage": args.zero_stage, "feature_memory_mb": args.feature_mb,
                     "run_id": f"scaling-{time.strftime('%Y%m%d-%H%M%S')}"},
     })
@@ -101,10 +109,14 @@ def run_point(hidden: int, length: int, args: argparse.Namespace, out: Path) -> 
     tokens = sum(int(rows.attention_mask.sum()) for rows in plan.data.values())
     planned = next(role for role in build_plan(config).roles if role.name == "calibration worker")
     note(f"scaling: hidden {hidden}, {length} tokens, {samples} samples per task ({tokens} tokens)")
-    with PeakMemory().watching() as processes:
+    # stdout carries only the JSON lines; Ray's driver prints its raylets' warnings there.
+    with PeakMemory().watching() as processes, contextlib.redirect_stdout(sys.stderr):
         job = run_calibration_job(plan)
+    shutil.rmtree(config.run_dir)  # its merged model, before the next point writes its own
     shape = json.loads((family.base / "config.json").read_text())
+    used_rows = len(load_tokenizer(family.base))
     return {"hidden": hidden, "length": length, "samples": samples, "tokens": tokens, "job": job,
+            "unread_embedding_bytes": (shape["vocab_size"] - used_rows) * hidden * 4,
             "zero_stage": args.zero_stage,
             "planned_worker": planned.bytes, "processes": processes.peak,
             "flops": forward_flops(shape, tokens) * 2}  # each token through its expert and the merged model
@@ -119,13 +131,32 @@ def emit_point(point: dict[str, object], seconds_per_unit: float, wire_layers: i
          hidden * wire_item * wire_layers + TOKEN_FIELD_BYTES, "bytes/token", target_ratio=[0.95, 1.05], **counts)
     emit("scaling_stream", job.timings["stream"], seconds_per_unit * tokens * hidden, "s",
          forward_tflops=round(point["flops"] / 1e12, 3), job_seconds=round(job.timings["total"], 1), **counts)
-    emit("scaling_worker_memory", max(job.memory["workers"]), point["planned_worker"], "bytes",
-         target_ratio=[0.8, 1.2], device=job.memory["device"], **counts)
+    # On a CPU the merged model's fp32 weight file is memory-mapped, and an embedding row is resident only once a
+    # token reads it: the thin models' tokenizer reaches 512 of their 32000 rows. The plan counts every row, as a
+    # GPU (which copies the weights) and a real tokenizer's data need; beside it, the plan less the unread rows.
+    unread = point["unread_embedding_bytes"] if job.memory["device"] == "cpu" else 0
+    measured = max(job.memory["workers"])
+    emit("scaling_worker_memory", measured, point["planned_worker"], "bytes", target_ratio=[0.8, 1.2],
+         device=job.memory["device"], unread_embedding_bytes=unread,
+         ratio_to_plan_less_unread_rows=round(measured / (point["planned_worker"] - unread), 4), **counts)
     hidden_fields = 2 * hidden * wire_item  # the target and the merged state kept per token
     emit("scaling_spill", job.stream["spilled_bytes"] / tokens, hidden_fields + STORED_TOKEN_BYTES,
          "bytes/token", target_ratio=[0, 1.05], spilled_bytes=job.stream["spilled_bytes"],
          expert_actor_peak=max(job.memory["experts"].values()), object_store_peak=job.object_store_peak_bytes,
          process_private_peak=point["processes"], **counts)
+
+
+def marginal_costs(points: list[dict[str, object]]) -> dict[int, tuple[float, float]]:
+    """Per width with points of more than one token count: the least-squares line stream seconds = fixed + per token
+    x tokens. The fixed part is the stream's start (the experts load their models as it begins); the slope is
+    what each further token costs."""
+    out = {}
+    for hidden in sorted({p["hidden"] for p in points}):
+        row = [p for p in points if p["hidden"] == hidden]
+        if len({p["tokens"] for p in row}) > 1:
+            slope, fixed = np.polyfit([p["tokens"] for p in row], [p["job"].timings["stream"] for p in row], 1)
+            out[hidden] = (float(fixed), float(slope))
+    return out
 
 
 def fit_exponent(x: list[float], y: list[float]) -> float:
@@ -167,6 +198,8 @@ def efficiency(multiples: list[int]) -> None:
                                  "--samples", str(128 * multiple), "--steps", "400"], capture_output=True, text=True, check=False)
         sys.stderr.write(result.stderr[-2000:])
         for line in result.stdout.splitlines():
+            if not line.startswith("{"):  # a line of Ray's that reached stdout
+                continue
             record = json.loads(line)
             emit("scaling_efficiency", record["value"], record["baseline"], "s", multiple=multiple,
                  breakdown=record["breakdown"], rows=record["rows"])
@@ -183,23 +216,31 @@ def main() -> None:
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     p.add_argument("--workers", type=int, default=1, help="calibration workers (e.g. 2 with --zero-stage 3)")
     p.add_argument("--feature-mb", type=int, default=1, help="the worker's feature memory; past it rows spill")
-    p.add_argument("--efficiency", default="", help="multiples of the demo's calibration tokens, e.g. 1,4")
+    p.add_argument("--efficiency", default="", help="multiples of the demo's calibration tokens, e.g. 1,2")
     p.add_argument("--plot", type=Path, default=Path("scaling.png"))
     args = p.parse_args()
     if not args.default_allocator:
         allocate_live_bytes_only()  # the worker's peak against the plan, as plan_accuracy measures it
-    out = Path(tempfile.mkdtemp(prefix="scaling-"))
-    points = [run_point(hidden, length, args, out)
-              for hidden in map(int, args.widths.split(",")) for length in map(int, args.lengths.split(","))]
+    with tempfile.TemporaryDirectory(prefix="scaling-") as out:  # a merged model per point: 2.7 GB at 4096
+        points = [run_point(hidden, length, args, Path(out))
+                  for hidden in map(int, args.widths.split(",")) for length in map(int, args.lengths.split(","))]
     smallest = min(points, key=lambda p: p["tokens"] * p["hidden"])
     seconds_per_unit = smallest["job"].timings["stream"] / (smallest["tokens"] * smallest["hidden"])
     for point in points:
         emit_point(point, seconds_per_unit, wire_layers=1)
     stream = [p["job"].timings["stream"] for p in points]
     work = [p["tokens"] * p["hidden"] for p in points]
-    if len(set(work)) > 1:
-        emit("scaling_fit", fit_exponent(work, stream), 1.0, "exponent", target_ratio=[0.9, 1.1],
-             exponent_against_flops=round(fit_exponent([p["flops"] for p in points], stream), 3),
+    marginal = marginal_costs(points)
+    if len(marginal) > 1:
+        widths = sorted(marginal)
+        for hidden in widths:
+            fixed, per_token = marginal[hidden]
+            emit("scaling_marginal", per_token, marginal[widths[0]][1] * hidden / widths[0], "s/token",
+                 hidden=hidden, fixed_seconds=round(fixed, 2))
+        emit("scaling_fit", fit_exponent(widths, [marginal[h][1] for h in widths]), 1.0, "exponent",
+             target_ratio=[0.9, 1.1], fitted="marginal stream seconds per token against hidden",
+             whole_stream_against_tokens_x_hidden=round(fit_exponent(work, stream), 3),
+             whole_stream_against_flops=round(fit_exponent([p["flops"] for p in points], stream), 3),
              points=[[p["hidden"], p["length"], p["samples"]] for p in points])
     plot(points, args.plot)
     note(f"scaling: plot at {args.plot}")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Set before anything imports huggingface_hub, transformers or Ray, which read them once.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# Forced, not defaulted: tests must never read or fill the user's cache.
+# Forced, not defaulted: tests must never read or fill the user's cache. Removed when the session ends: the
+# thin 4096-wide family alone is 5.4 GB.
 _TEST_CACHE = tempfile.mkdtemp(prefix="darts-dist-test-cache-")
+atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
 os.environ["DARTS_DIST_CACHE"] = _TEST_CACHE
 # Commands track to MLFLOW_TRACKING_URI first: one throwaway sqlite store (artifacts next to it),
 # never an mlflow.db in the folder the tests run from.
