@@ -255,3 +255,15 @@ def test_evaluation_actors_score_then_answer_and_the_base_only_answers(tiny_fami
     # Logits in fp32, then NLL's fp32 copy of the shifted logits and its log-softmax.
     assert merged.stages["scoring"]["logits"] == 3 * c.batch_size * c.max_length * shape.vocab_size * 4
     assert merged.bytes == shape.weight_bytes("float32") + max(sum(stage.values()) for stage in merged.stages.values())
+
+
+def test_a_zero3_worker_holds_the_whole_model_while_it_loads_then_its_partition(llama2_7b: Path) -> None:
+    """Each ZeRO-3 rank loads the whole merged model before DeepSpeed partitions it: the plan's peak is the whole
+    model beside the rank's partition, not the partition alone (13.5 GB of bf16 weights, 2 ranks)."""
+    plan = build_plan(load_config(llama2_7b))
+    worker = next(role for role in plan.roles if role.name == "calibration worker")
+    weights = plan.merged.weight_bytes("bfloat16")
+    assert worker.peak_stage == "load"
+    assert worker.parts["whole model before partitioning"] == weights
+    assert worker.memory["weights"] == weights // 2 + plan.correction_parameters * 4  # fp32 corrections
+    assert weights * 1.5 <= worker.bytes < weights * 1.6

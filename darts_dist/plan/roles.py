@@ -106,12 +106,18 @@ def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged:
     per_token = TOKEN_ROW_BYTES + 4 + (loss_layers + 1) * d * wire  # + entropy, targets and the merged state
     trained = correction_parameters(config, merged)
     share = workers if cluster.zero_stage == 3 else 1  # ZeRO-3 partitions the frozen model and the optimizer
-    roles.append(Role("calibration worker", "calibration", workers, worker_bundle(cluster), {
-        "weights": merged.weight_bytes(dtype) // share + trained * 4,
-        "optimizer": trained * (ADAM_BYTES - 4) // (workers if cluster.zero_stage >= 1 else 1),
-        "feature store": min(int(rows * S * per_token), cluster.feature_memory_mb << 20),
-        "activations": _forward(merged, B, S, item) + (loss_layers + 2) * B * S * d * 4,
-    }))
+    weights = merged.weight_bytes(dtype)
+    held = {"weights": weights // share + trained * 4,
+            "optimizer": trained * (ADAM_BYTES - 4) // (workers if cluster.zero_stage >= 1 else 1)}
+    work = {"feature store": min(int(rows * S * per_token), cluster.feature_memory_mb << 20),
+            "activations": _forward(merged, B, S, item) + (loss_layers + 2) * B * S * d * 4}
+    if share == 1:
+        roles.append(Role("calibration worker", "calibration", workers, worker_bundle(cluster), held | work))
+    else:
+        # A ZeRO-3 rank loads the whole merged model, then DeepSpeed partitions it: until then the whole model and
+        # the rank's copy of its partition are held together (measured at width 4096: benchmarks/scaling.py).
+        roles.append(Role("calibration worker", "calibration", workers, worker_bundle(cluster), held,
+                          stages={"load": {"whole model before partitioning": weights}, "stream and train": work}))
     return roles
 
 
