@@ -23,7 +23,7 @@ from darts_dist.generation import (
     SequenceRequest,
 )
 from darts_dist.generation.kv_cache import PREFIX_BLOCK
-from darts_dist.generation.sampling import top_p_probabilities
+from darts_dist.generation.sampling import next_tokens, top_p_probabilities
 
 MORE = ["def scale(values, k):", "Question: 3 + 4 =", "Instruction: Name a colour", "import numpy as"]
 
@@ -415,3 +415,14 @@ def test_a_failed_forward_fails_its_sequences_and_the_engine_goes_on(lm: Correct
     batcher.add(SequenceRequest(tuple(lm.encode(PROMPTS[2])), "math", Sampling(4)), after)
     batcher.run_until_idle()
     assert after.finished.completion == lm.generate(PROMPTS[2:], ["math"], max_new_tokens=4)[0]
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-8])
+def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p: float) -> None:
+    """A positive top_p below fp32's range (the fuzzer sent 3.9e-220) is 0 against fp32 probabilities: the nucleus
+    must still hold the most likely token, not nothing (which made the draw fail with a 500)."""
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.0])
+    kept = top_p_probabilities(logits, temperature=1.0, top_p=top_p)
+    assert kept.tolist() == [0.0, pytest.approx(float(torch.softmax(logits, -1)[1])), 0.0, 0.0]
+    generator = torch.Generator().manual_seed(0)
+    assert next_tokens(logits[None], [1.0], [top_p], [generator]) == [1]

@@ -34,6 +34,8 @@ def top_p_probabilities(logits: Tensor, temperature: float, top_p: float) -> Ten
         return probs
     sorted_probs, order = probs.sort(descending=True)
     keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # the mass before a token is still short of top_p
+    # The most likely token always: a top_p below fp32's smallest positive value compares as 0 against the probs.
+    keep[..., 0] = True
     return torch.zeros_like(probs).scatter_(-1, order[keep], sorted_probs[keep])
 
 
