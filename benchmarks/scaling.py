@@ -30,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,18 +38,12 @@ from common import PeakMemory, allocate_live_bytes_only, emit, note
 
 from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
 from darts_dist.config import parse_config
-from darts_dist.fsutil import cache_root
 from darts_dist.pipeline import merge_stage
 from darts_dist.plan import build_plan
 from darts_dist.sources.demo.tasks import DEMO_TASKS, long_texts
-from darts_dist.sources.demo.tiny import (
-    THIN_SHAPES,
-    FamilyShape,
-    TinyFamily,
-    make_tiny_family,
-)
+from darts_dist.sources.demo.tiny import THIN_SHAPES, TinyFamily
 from darts_dist.sources.models import load_tokenizer
-from darts_dist.sources.references import demo_data, resolve_sources
+from darts_dist.sources.references import demo_data, resolve_sources, thin_family
 
 WIDTHS = (576, 1024, 2048, 4096)
 LENGTHS = (128, 512, 2048)
@@ -56,16 +51,14 @@ TOKEN_FIELD_BYTES = 4 + 1 + 1 + 4  # per token on the wire: input id (int32), tw
 STORED_TOKEN_BYTES = 8 + 8 + 1 + 4  # per token in the worker's store: ids and attention mask int64, response mask, entropy
 
 
-def thin_family(hidden: int) -> TinyFamily:
-    """The thin family of `hidden`: `thin:llama2-7b`'s at 4096, else its proportions (head dim 64 below it)."""
-    shape = THIN_SHAPES["llama2-7b"]
-    if hidden != shape.hidden_size:
-        heads = hidden // 64
-        shape = FamilyShape(hidden_size=hidden, num_layers=2, intermediate_size=round(hidden * 11008 / 4096 / 64) * 64,
-                            num_heads=heads, num_kv_heads=heads, vocab_size=32000, max_positions=4096,
-                            tie_embeddings=False, dtype="bfloat16")
-    name = "llama2-7b" if hidden == 4096 else f"h{hidden}"
-    return make_tiny_family(cache_root() / "thin-family" / name, tasks=DEMO_TASKS, shape=shape)
+def family_of_width(hidden: int) -> TinyFamily:
+    """The thin family of `hidden`: `thin:llama2-7b`'s at 4096, else its proportions (head dimension 64)."""
+    if hidden == THIN_SHAPES["llama2-7b"].hidden_size:
+        return thin_family("llama2-7b", THIN_SHAPES["llama2-7b"])
+    heads = hidden // 64
+    return thin_family(f"h{hidden}", replace(THIN_SHAPES["llama2-7b"], hidden_size=hidden, num_heads=heads,
+                                            num_kv_heads=heads,
+                                            intermediate_size=round(hidden * 11008 / 4096 / 64) * 64))
 
 
 def forward_flops(shape_config: dict, tokens: int) -> float:
@@ -97,7 +90,7 @@ def point_config(family: TinyFamily, length: int, samples: int, data: dict[str, 
 
 def run_point(hidden: int, length: int, args: argparse.Namespace, out: Path) -> dict[str, object]:
     """One Ray calibration job at (hidden, length); its measures."""
-    family = thin_family(hidden)
+    family = family_of_width(hidden)
     samples = max(args.workers, args.tokens // length)  # every worker needs a row of every task
     data = {task: long_texts(demo_data()[task]["calibration"], samples, out / f"{task}-{samples}.jsonl")
             for task in DEMO_TASKS}
@@ -116,6 +109,7 @@ def run_point(hidden: int, length: int, args: argparse.Namespace, out: Path) -> 
     shape = json.loads((family.base / "config.json").read_text())
     used_rows = len(load_tokenizer(family.base))
     return {"hidden": hidden, "length": length, "samples": samples, "tokens": tokens, "job": job,
+            "wire_bytes": 4 if config.calibration.wire_dtype_for(hidden, config.cluster.use_gpu) == "float32" else 2,
             "unread_embedding_bytes": (shape["vocab_size"] - used_rows) * hidden * 4,
             "zero_stage": args.zero_stage,
             "planned_worker": planned.bytes, "processes": processes.peak,
@@ -126,7 +120,7 @@ def emit_point(point: dict[str, object], seconds_per_unit: float, wire_layers: i
     job, hidden, tokens = point["job"], point["hidden"], point["tokens"]
     counts = {"hidden": hidden, "length": point["length"], "samples_per_task": point["samples"], "tokens": tokens,
               "workers": len(job.memory["workers"]), "zero_stage": point["zero_stage"]}
-    wire_item = 2 if hidden >= 2048 else 4
+    wire_item = point["wire_bytes"]
     emit("scaling_wire", job.stream["bytes"] / tokens + TOKEN_FIELD_BYTES,
          hidden * wire_item * wire_layers + TOKEN_FIELD_BYTES, "bytes/token", target_ratio=[0.95, 1.05], **counts)
     emit("scaling_stream", job.timings["stream"], seconds_per_unit * tokens * hidden, "s",

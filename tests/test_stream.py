@@ -119,7 +119,7 @@ def test_feature_store_hands_rows_back_sorted_and_unpadded(tmp_path: Path, budge
     assert (store.peak_memory_bytes, store.spilled_bytes) == (peak, spilled)
     assert (spilled > 0) == (budget < 1 << 20)  # in memory, the peak is every row at once
     # No padding on disk: each spill file is exactly its rows' bytes.
-    on_disk = sum(path.stat().st_size for path in store.spill_files())
+    on_disk = sum(path.stat().st_size for path in tmp_path.glob("*.raw"))
     assert on_disk <= spilled and (on_disk > 0) == (spilled > 0)
     for task, expected in rows.items():
         assert store.row_ids(task) == list(range(len(expected)))

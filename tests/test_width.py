@@ -58,7 +58,8 @@ def test_the_whole_job_at_width_4096_streams_bf16_trains_registers_and_serves(ra
     assert stream["bytes"] == tokens * HIDDEN * 2
     assert json.loads((resolve_model("thin:llama2-7b") / "config.json").read_text())["hidden_size"] == HIDDEN
     with safe_open(run_dir / "corrections.safetensors", "pt") as corrections:  # fp32 corrections
-        assert {corrections.get_tensor(name).dtype for name in corrections.keys()}  # noqa: SIM118 - safe_open has no __iter__ == {torch.float32}
+        dtypes = {corrections.get_tensor(name).dtype for name in corrections.keys()}  # noqa: SIM118 - no __iter__
+    assert dtypes == {torch.float32}
     assert report["tracking"]["model_uri"] == f"models:/wide/{report['tracking']['version']}"
 
     port = free_port()

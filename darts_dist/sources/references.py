@@ -21,7 +21,7 @@ from darts_dist.sources.data import TaskFiles, load_rows
 from darts_dist.sources.demo.experts import MANIFEST, SHIPPED_DIR, expert_report, make_experts, shipped_experts
 from darts_dist.sources.demo.reference import reproduction, reproduction_line
 from darts_dist.sources.demo.tasks import DEMO_SCORERS, DEMO_TASKS, make_demo_data
-from darts_dist.sources.demo.tiny import THIN_SHAPES, make_tiny_family
+from darts_dist.sources.demo.tiny import THIN_SHAPES, FamilyShape, TinyFamily, make_tiny_family
 from darts_dist.sources.models import (
     BUNDLED_MODEL,
     ModelInfo,
@@ -97,8 +97,13 @@ def _thin_model(ref: str) -> Path:
     names = sorted(f"thin:{s}" for s in THIN_SHAPES) + sorted(f"thin:{s}/{t}" for s in THIN_SHAPES for t in DEMO_TASKS)
     if shape not in THIN_SHAPES or task not in ("", *DEMO_TASKS):
         raise DartsError(f"unknown thin model {ref!r}", f"use one of {names}")
-    family = make_tiny_family(cache_root() / "thin-family" / shape, tasks=DEMO_TASKS, shape=THIN_SHAPES[shape])
+    family = thin_family(shape, THIN_SHAPES[shape])
     return family.experts[task] if task else family.base
+
+
+def thin_family(name: str, shape: FamilyShape) -> TinyFamily:
+    """A thin family of the demo's tasks, cached under `name` (a `THIN_SHAPES` key, or a benchmark's own shape)."""
+    return make_tiny_family(cache_root() / "thin-family" / name, tasks=DEMO_TASKS, shape=shape)
 
 
 def _resolve_data(ref: str, split: str) -> Path:

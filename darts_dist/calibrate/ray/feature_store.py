@@ -28,6 +28,11 @@ def float_tensor(array: np.ndarray) -> torch.Tensor:
     return tensor.float()
 
 
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each of rows laid end to end starts."""
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class Ragged:
     """N rows of different lengths as one flat [tokens, ...] array: row i is values[starts[i]:starts[i]+lengths[i]]."""
@@ -101,7 +106,7 @@ class FeatureStore:
             return self._flatten_in_memory(task)
         self._spill(task)
         rows, lengths = (np.array(column, dtype=np.int64) for column in zip(*self._spilled[task]))
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        starts = _starts(lengths)
         order = np.argsort(rows, kind="stable")
         out = {}
         for name, (dtype, shape) in self._fields.items():
@@ -111,10 +116,6 @@ class FeatureStore:
             out[name] = Ragged(values, starts[order], lengths[order])
         self._spilled[task] = []
         return out
-
-    def spill_files(self) -> list[Path]:
-        """The spill files written so far."""
-        return sorted(self.spill_dir.glob("*.raw")) if self.spill_dir.is_dir() else []
 
     def _check(self, task: str, row: int, arrays: Mapping[str, np.ndarray]) -> None:
         if task not in self._memory:
@@ -132,7 +133,7 @@ class FeatureStore:
         rows = sorted(self._memory[task], key=lambda item: item[0], reverse=True)
         self._memory[task] = []
         lengths = np.array([len(next(iter(arrays.values()))) for _, arrays in reversed(rows)], dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        starts = _starts(lengths)
         flat = {name: np.empty((int(lengths.sum()), *shape), dtype) for name, (dtype, shape) in self._fields.items()}
         for start in starts:
             _, arrays = rows.pop()  # popped as copied, so memory holds each row once
