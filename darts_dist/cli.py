@@ -110,7 +110,7 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 
 def cmd_merge(args: argparse.Namespace) -> None:
-    from darts_dist.merge import load_mergekit_yaml, mergekit_model_paths, run_merge
+    from darts_dist.merge import REGMEAN, load_mergekit_yaml, mergekit_model_paths, run_merge
     from darts_dist.tracking.runs import log_config, log_merge
 
     if args.out.exists() and not args.overwrite:
@@ -132,9 +132,14 @@ def cmd_merge(args: argparse.Namespace) -> None:
 
             log_config(tracking, config)
             resolved = resolve_sources(config)
-            mergekit_config = mergekit_config_for(config, resolved)
             sources = {"base": resolved.base, **resolved.experts}
-        out = run_merge(mergekit_config, args.out, overwrite=args.overwrite)
+        if config is not None and config.merge.method == REGMEAN:  # from the calibration rows, not mergekit alone
+            from darts_dist.calibrate.regmean import regmean_merge
+
+            out, _ = regmean_merge(config, resolved, out_dir=args.out)
+        else:
+            out = run_merge(mergekit_config if config is None else mergekit_config_for(config, resolved), args.out,
+                            overwrite=args.overwrite)
         log_merge(tracking, out, sources)
     console.print(f"merged model: {out}")
     if args.report:

@@ -22,6 +22,7 @@ Layer = int | Annotated[str, Field(pattern=r"^(final|all|changed|every:[1-9][0-9
 # What a run folder (OUTPUT_DIR/NAME) holds, by name; the router's file is core.ROUTER_FILE.
 RUN_CONFIG_FILE = "config.yaml"  # the validated config that made the run
 MERGED_FOLDER = "merged"  # the merged model, unless merge.output puts it elsewhere
+REGMEAN_RECORD = "regmean_config.yml"  # in a RegMean merge's folder: what was merged, how, from which data
 LEARNED_FOLDER = "learned-merge"  # calibration.method merge_coefficients[+darts]: the learned merge
 CORRECTIONS_FILE = "corrections.safetensors"
 # Prompt tokens whose keys and values a generation engine's prefix cache keeps (~46 kB each for SmolLM2-135M
@@ -85,14 +86,57 @@ class SourcesSection(_Section):
         return experts
 
 
+class MergeOthers(_Section):
+    """RegMean merges the decoder layers' linear weights; the other tensors (embeddings, norms, LM head, biases)
+    go through this mergekit method. The default, every expert's plain mean, is RegMean's own choice."""
+
+    method: str = "linear"
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"weight": 1.0})
+
+
+REGMEAN_PARAMETERS = {"alpha"}  # merge.parameters of merge.method regmean
+
+
 class MergeSection(_Section):
-    """How the experts are merged: a method of mergekit's registry, or a mergekit YAML as it is."""
+    """How the experts are merged: a method of mergekit's registry, RegMean (regmean: darts-dist's own, from
+    each expert's inputs on its calibration rows), or a mergekit YAML as it is."""
 
     method: str = "task_arithmetic"
+    # The method's parameters; regmean's: alpha, the share of its Grams' off-diagonal entries kept (default 0.9).
     parameters: dict[str, Any] = Field(default_factory=dict)
+    others: MergeOthers | None = None  # regmean only: the mergekit method for the other tensors
     mergekit_yaml: Path | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     output: Path | None = None
+
+    @model_validator(mode="after")
+    def _regmean_settings(self) -> MergeSection:
+        if self.method != "regmean":
+            if self.others is not None:
+                raise ValueError(f"merge.others sets how RegMean merges the tensors it does not, but merge.method is "
+                                 f"{self.method!r}: remove merge.others, or set merge.method: regmean")
+            return self
+        if self.mergekit_yaml is not None:
+            raise ValueError("merge.method regmean computes its merge from the calibration data, and merge.mergekit_yaml "
+                             "names a fixed mergekit merge: remove one of them")
+        unknown = sorted(set(self.parameters) - REGMEAN_PARAMETERS)
+        if unknown:
+            raise ValueError(f"merge.parameters {unknown} are not regmean's (it takes {sorted(REGMEAN_PARAMETERS)}); "
+                             "the other tensors' method takes its own under merge.others.parameters")
+        alpha = self.parameters.get("alpha", 0.9)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"merge.parameters.alpha is {alpha!r}: give a number from 0 (the Grams' diagonal alone) "
+                             "to 1 (the whole Grams)")
+        return self
+
+    @property
+    def alpha(self) -> float:
+        """RegMean's share of the Grams' off-diagonal entries."""
+        return float(self.parameters.get("alpha", 0.9))
+
+    @property
+    def others_merge(self) -> MergeOthers:
+        return self.others or MergeOthers()
 
 
 class TaskCalibration(_Section):

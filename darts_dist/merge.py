@@ -35,9 +35,17 @@ _TOKENIZER_STRATEGIES = frozenset({"union", "base"})
 _TOKENIZER_SOURCE_KEYS = frozenset({"tokenizer_source", "source"})
 
 
-def merge_methods() -> tuple[str, ...]:
+REGMEAN = "regmean"  # darts-dist's own data-aware merge (calibrate.regmean); mergekit has every other method
+
+
+def mergekit_method_names() -> tuple[str, ...]:
     """Names of the merge methods the installed mergekit knows."""
     return tuple(sorted(method.spec.name for method in mergekit_methods.registered_methods()))
+
+
+def merge_methods() -> tuple[str, ...]:
+    """Every merge method a run may name: mergekit's and RegMean."""
+    return tuple(sorted((*mergekit_method_names(), REGMEAN)))
 
 
 def build_mergekit_config(
@@ -106,6 +114,13 @@ def run_merge(
     out_dir = Path(out_dir).absolute()
     if out_dir.exists() and not overwrite:
         raise DartsError(f"merge output folder {out_dir} already exists", "choose a new folder or pass overwrite")
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        merge_into(config, tmp, seed, named=out_dir)
+    return out_dir
+
+
+def merge_into(config: Mapping[str, Any], folder: Path, seed: int | None = 0, named: Path | None = None) -> None:
+    """mergekit's merge written into `folder` (a temporary one the caller renames); errors name `named`."""
     merge_config = _validated(config, origin="the merge config")
     _check_sources(merge_config)
     options = MergeOptions(
@@ -122,23 +137,24 @@ def run_merge(
     source = yaml.safe_dump(dict(config), sort_keys=False)
     LoaderCache.loaders.clear()
     try:
-        with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-            mergekit_run_merge(merge_config, str(tmp), options=options, config_source=source)
+        mergekit_run_merge(merge_config, str(folder), options=options, config_source=source)
     # mergekit raises bare RuntimeError / KeyError / ValueError for inputs it cannot merge, and passes on
     # safetensors' own error for a weight file it cannot read.
     except (RuntimeError, KeyError, ValueError, OSError, SafetensorError) as exc:
         raise DartsError(
-            f"mergekit could not merge into {out_dir}: {type(exc).__name__}: {exc}",
+            f"mergekit could not merge into {named or folder}: {type(exc).__name__}: {exc}",
             "check the merge parameters and that every source folder holds complete weights",
         ) from exc
     finally:
         LoaderCache.loaders.clear()
-    return out_dir
 
 
 def _method(name: str) -> MergeMethod:
-    if name not in merge_methods():
-        raise DartsError(f"unknown merge method {name!r}", f"use one of: {', '.join(merge_methods())}")
+    if name not in mergekit_method_names():
+        if name == REGMEAN:
+            raise DartsError("regmean is darts-dist's own merge, not a mergekit method: it has no mergekit YAML",
+                             "set merge.method: regmean in a darts-dist config (merge.others merges the rest)")
+        raise DartsError(f"unknown merge method {name!r}", f"use one of: {', '.join(mergekit_method_names())}")
     return mergekit_methods.get(name)
 
 

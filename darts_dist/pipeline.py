@@ -26,6 +26,7 @@ from darts_dist.calibrate.in_process import CalibrationOutcome, calibrate_stage
 from darts_dist.calibrate.layers import with_concrete_layers
 from darts_dist.calibrate.ray.job import calibrate_distributed, fit_coefficients_distributed
 from darts_dist.calibrate.ray.placement import placement_tags
+from darts_dist.calibrate.regmean import regmean_merge
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import RUN_CONFIG_FILE, RunConfig
 from darts_dist.core import ROUTER_FILE, read_header
@@ -48,7 +49,7 @@ from darts_dist.evaluate.plots import (
 )
 from darts_dist.fsutil import atomic_file
 from darts_dist.memory import PeakMemory
-from darts_dist.merge import build_mergekit_config, load_mergekit_yaml, run_merge
+from darts_dist.merge import REGMEAN, build_mergekit_config, load_mergekit_yaml, run_merge
 from darts_dist.sources.models import (
     load_causal_lm,
     load_tokenizer,
@@ -94,15 +95,23 @@ def mergekit_config_for(config: RunConfig, sources: ResolvedSources) -> dict:
 
 
 def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:
-    """Merge into `config.merged_dir`; an identical earlier merge is reused."""
+    """Merge into `config.merged_dir` by mergekit, or by RegMean (merge.method regmean: calibrate.regmean); an
+    identical earlier merge is reused."""
+    if config.merge.method == REGMEAN:
+        merged, fresh = regmean_merge(config, sources)
+        return _finite(merged, sources) if fresh else merged
     mergekit_config = mergekit_config_for(config, sources)
     out_dir = config.merged_dir
     written = out_dir / "mergekit_config.yml"
     if written.is_file() and yaml.safe_load(written.read_text()) == mergekit_config:
         logger.info("merge: reusing %s (same mergekit config)", out_dir)
         return out_dir
-    merged = run_merge(mergekit_config, out_dir, overwrite=True)
-    # NaN or inf weights in a source pass through the merge and would poison every later number.
+    return _finite(run_merge(mergekit_config, out_dir, overwrite=True), sources)
+
+
+def _finite(merged: Path, sources: ResolvedSources) -> Path:
+    """The merge, unless it has NaN or inf weights (passed through from a source: they would poison every later
+    number); then it is removed and the source named."""
     bad = non_finite_tensors(merged)
     if bad:
         shutil.rmtree(merged)

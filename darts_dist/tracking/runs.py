@@ -29,7 +29,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-from darts_dist.config import RunConfig, TrackingSection
+from darts_dist.config import REGMEAN_RECORD, RunConfig, TrackingSection
 from darts_dist.core import BUCKET_LABELS, POSITION_BUCKETS
 from darts_dist.errors import DartsError
 from darts_dist.sources.models import content_hash
@@ -300,13 +300,18 @@ def log_config(tracking: Tracking, config: RunConfig) -> None:
 
 
 def log_merge(tracking: Tracking, merged_dir: Path, sources: Mapping[str, Path]) -> str:
-    """The merge stage: the resolved mergekit YAML as params and artifact, the sources with content hashes.
+    """The merge stage: the resolved mergekit YAML (and a RegMean merge's record) as params and artifacts, the
+    sources with content hashes.
 
     The YAML rather than the config's `merge` section, because a config may name a mergekit YAML of its own.
     """
     run_id = tracking.start_stage("merge", {MERGED_DIR_TAG: merged_dir})
     resolved = merged_dir / "mergekit_config.yml"
     params = flatten(yaml.safe_load(resolved.read_text()), "mergekit.")
+    regmean = merged_dir / REGMEAN_RECORD  # a RegMean merge: mergekit merged the other tensors
+    if regmean.is_file():
+        params |= flatten(yaml.safe_load(regmean.read_text()), "regmean.")
+        tracking.log_file(run_id, regmean, "merged")
     params["merged.hash"] = content_hash(merged_dir)
     for role, path in sources.items():
         params[f"source.{role}"] = str(path)

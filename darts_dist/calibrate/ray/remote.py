@@ -59,20 +59,26 @@ def get_or_raise(refs: object) -> object:
         raise
 
 
-def run_as_expert(cluster: ClusterSection, what: str, work: Callable[..., T], *args: object) -> T:
-    """`work(*args)` in a Ray task with one expert actor's resources on `cluster.address` (or RAY_ADDRESS, or
-    the cluster this process joined, else a local one); fails naming `what` when Ray cannot reserve them
-    within `cluster.resource_wait_s`."""
+@contextlib.contextmanager
+def expert_group(cluster: ClusterSection, count: int, what: str) -> Iterator[list[dict[str, object]]]:
+    """A placement group of `count` expert bundles on the run's cluster (`cluster.address`, or RAY_ADDRESS, or the
+    cluster this process joined, else a local one); yields each bundle's Ray options (resources and scheduling).
+    Fails naming `what` when Ray cannot reserve them within `cluster.resource_wait_s`."""
     bundle = {name: amount for name, amount in expert_bundle(cluster).items() if amount}
     address = cluster.address or os.environ.get("RAY_ADDRESS")
-    with ray_session(address, expert_cluster(cluster, 1)):
-        group = placement_group([bundle])
+    with ray_session(address, expert_cluster(cluster, count)):
+        group = placement_group([bundle] * count)
         try:
             if not ray.wait([group.ready()], timeout=cluster.resource_wait_s)[0]:
-                raise DartsError(f"the Ray cluster had no room for {what} ({bundle}) after "
+                raise DartsError(f"the Ray cluster had no room for {what} ({count} × {bundle}) after "
                                  f"{cluster.resource_wait_s:g} s", "add nodes with those resources")
-            options = expert_actor_options(cluster) | {"max_retries": 0, "scheduling_strategy":
-                                                         PlacementGroupSchedulingStrategy(placement_group=group)}
-            return get_or_raise(ray.remote(work).options(**options).remote(*args))
+            yield [expert_actor_options(cluster) | {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=index)} for index in range(count)]
         finally:
             remove_placement_group(group)
+
+
+def run_as_expert(cluster: ClusterSection, what: str, work: Callable[..., T], *args: object) -> T:
+    """`work(*args)` in a Ray task with one expert actor's resources (`expert_group`)."""
+    with expert_group(cluster, 1, what) as (options,):
+        return get_or_raise(ray.remote(work).options(max_retries=0, **options).remote(*args))

@@ -1,0 +1,205 @@
+"""merge.method regmean: the decoder layers' linears merged by RegMean (core.regmean) from each expert's inputs
+on its own task's calibration rows; every other tensor by the mergekit method of `merge.others`.
+
+Each expert runs once over its calibration rows (the rows the stream trains on) in a `GramCollector`: on Ray an
+actor with an expert's resources, so the Gram matrices stay where they were made and reach the driver one
+linear at a time (at 7B width an expert's Grams are ~22 GB, more than the driver should hold); in-process the
+same class in this process. The driver writes mergekit's merge of the other tensors into a temporary folder,
+replaces each linear's weight with the RegMean solution shard by shard, writes the record of what was done
+(`regmean_config.yml`) and renames the folder into place: an interrupted merge leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from darts_dist.calibrate.in_process import calibration_sets
+from darts_dist.calibrate.ray.remote import expert_group, get_or_raise
+from darts_dist.config import REGMEAN_RECORD, RunConfig
+from darts_dist.core import TokenizedSet
+from darts_dist.core.regmean import GramRecorder, solve
+from darts_dist.core.regmean import contribution as linear_contribution
+from darts_dist.errors import DartsError
+from darts_dist.fsutil import atomic_dir, atomic_file
+from darts_dist.memory import PeakMemory
+from darts_dist.merge import REGMEAN, build_mergekit_config, merge_into
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
+from darts_dist.sources.references import ResolvedSources
+
+logger = logging.getLogger(__name__)
+
+
+class GramCollector:
+    """One expert: loaded once, run over its task's calibration rows with a GramRecorder, then asked for each
+    linear's share of RegMean's normal equations (fp32 on the CPU: the driver sums them in float64)."""
+
+    def __init__(self, model_path: str, dtype: str, device: str) -> None:
+        self.device = resolve_device(device)
+        self.memory = PeakMemory(self.device)
+        self.model = load_causal_lm(Path(model_path), dtype=model_dtype(dtype, self.device), device=self.device)
+        self.recorder = GramRecorder()
+        self.linears = GramRecorder.linears(self.model)
+
+    def accumulate(self, data: TokenizedSet, batch_size: int, progress: bool = True) -> dict[str, int]:
+        """Every row of `data` through the expert; its token count and this collector's peak memory so far."""
+        with self.recorder.recording(self.model):
+            for batch in tqdm(list(data.batches(batch_size)), desc=f"regmean grams {data.task}", unit="batch",
+                              disable=not progress):
+                self.recorder.run(self.model, batch["input_ids"].to(self.device),
+                                  batch["attention_mask"].to(self.device))
+        return {"tokens": self.recorder.tokens, "peak_memory": self.memory.peak()}
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        return {name: tuple(linear.weight.shape) for name, linear in self.linears.items()}
+
+    def contribution(self, name: str, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+        gram, product = linear_contribution(self.recorder.gram(name), self.linears[name].weight, alpha)
+        return gram.float().cpu(), product.float().cpu()
+
+
+class Collectors:
+    """The experts' collectors, local objects or Ray actors, asked the same questions: `submit` starts a call on
+    each (Ray refs, or the values themselves outside Ray), `fetch` waits for the answers."""
+
+    def __init__(self, members: Sequence[object], on_ray: bool) -> None:
+        self.members, self.on_ray = list(members), on_ray
+
+    def submit(self, method: str, calls: Sequence[tuple]) -> list:
+        """`method(*calls[i])` on the i-th collector."""
+        if self.on_ray:
+            return [getattr(m, method).remote(*call) for m, call in zip(self.members, calls, strict=True)]
+        return [getattr(m, method)(*call) for m, call in zip(self.members, calls, strict=True)]
+
+    def fetch(self, submitted: list) -> list:
+        return get_or_raise(submitted) if self.on_ray else submitted
+
+    def ask(self, method: str, *args: object) -> list:
+        """`method(*args)` on every collector, answered."""
+        return self.fetch(self.submit(method, [args] * len(self.members)))
+
+
+@contextmanager
+def collectors(config: RunConfig, sources: ResolvedSources) -> Iterator[Collectors]:
+    """A collector per task's expert: Ray actors with expert resources (cluster.executor ray) or local objects."""
+    settings = config.calibration
+    args = [(str(sources.experts[task]), settings.dtype, settings.device) for task in config.tasks]
+    if config.cluster.executor != "ray":
+        yield Collectors([GramCollector(*a) for a in args], on_ray=False)
+        return
+    with expert_group(config.cluster, len(args), "RegMean's Gram actors") as options:
+        actor = ray.remote(GramCollector)
+        members = [actor.options(max_restarts=0, **options[i]).remote(*a) for i, a in enumerate(args)]
+        try:
+            yield Collectors(members, on_ray=True)
+        finally:
+            for member in members:
+                ray.kill(member)
+
+
+def _data_digest(data: TokenizedSet) -> str:
+    """The rows' tokens, hashed: the Grams' provenance (same digest, same Grams for the same expert)."""
+    digest = hashlib.sha256()
+    for row, mask in zip(data.input_ids, data.attention_mask, strict=True):
+        digest.update(row[mask.bool()].numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def regmean_record(config: RunConfig, sources: ResolvedSources, others: Mapping[str, object],
+                   sets: Mapping[str, TokenizedSet]) -> dict[str, object]:
+    """The mergekit-style YAML of a RegMean merge: inputs, alpha, the other tensors' mergekit config, and where
+    each expert's Gram statistics came from. Equal records mean the same merge (an earlier one is reused)."""
+    settings = config.calibration
+    return {
+        "merge_method": REGMEAN,
+        "base_model": str(sources.base),
+        "models": [{"model": str(sources.experts[task]), "task": task} for task in config.tasks],
+        "parameters": {"alpha": config.merge.alpha},
+        "linears": "every nn.Linear of the decoder layers (weights; their biases go with the other tensors)",
+        "others": dict(others),
+        "dtype": config.merge.dtype,
+        "grams": {
+            "statistic": "mean over real tokens of x xᵀ, x a linear's input (fp32), off-diagonals scaled by alpha",
+            "compute_dtype": settings.dtype if config.models_on_gpus else "float32",
+            "tasks": {task: {"calibration": str(sources.data[task].calibration), "rows": len(data),
+                             "max_length": settings.max_length, "validation_fraction": settings.validation_fraction,
+                             "seed": settings.seed, "tokens": int(data.attention_mask.sum()),
+                             "tokens_sha256": _data_digest(data)} for task, data in sets.items()},
+        },
+    }
+
+
+def _merge_linears(folder: Path, pool: Collectors, shapes: Mapping[str, tuple[int, int]], alpha: float,
+                   progress: bool) -> None:
+    """Each linear's weight in the shards under `folder` replaced with its RegMean solution, shard by shard (one
+    shard and one linear's sums held at a time; the next linear's shares already on their way)."""
+    order = []  # (shard, linear) in the shards' order
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            order += [(file, name.removesuffix(".weight")) for name in weights.keys()
+                      if name.endswith(".weight") and name.removesuffix(".weight") in shapes]
+    missing = sorted(set(shapes) - {module for _, module in order})
+    if missing:
+        raise DartsError(f"the merged weights have no tensor for the linears {missing[:3]} (of {len(missing)})",
+                         "merge experts whose weight files name every linear of the model (Hugging Face names)")
+
+    def shares(index: int) -> list | None:
+        return pool.submit("contribution", [(order[index][1], alpha)] * len(pool.members)) if index < len(order) \
+            else None
+
+    pending, tensors = shares(0), {}
+    for index, (file, module) in enumerate(tqdm(order, desc="regmean solve", unit="linear", disable=not progress)):
+        if not tensors:
+            tensors = load_file(file)
+        answered, pending = pool.fetch(pending), shares(index + 1)
+        name = module + ".weight"
+        merged = solve(sum(g.double() for g, _ in answered), sum(p.double() for _, p in answered))
+        tensors[name] = merged.to(tensors[name].dtype).contiguous()
+        if index + 1 == len(order) or order[index + 1][0] != file:
+            with atomic_file(file) as tmp:
+                save_file(tensors, str(tmp), metadata={"format": "pt"})
+            tensors = {}
+
+
+def regmean_merge(config: RunConfig, sources: ResolvedSources, out_dir: Path | None = None,
+                  progress: bool = True) -> tuple[Path, bool]:
+    """Merge by RegMean into `out_dir` (config.merged_dir); an identical earlier merge (same record) is reused.
+    Returns the folder and whether it was merged now (False: reused)."""
+    out_dir = Path(out_dir or config.merged_dir).absolute()
+    others_settings = config.merge.others_merge
+    # The other tensors' mergekit config is built (and so checked) before any expert runs.
+    others = build_mergekit_config(
+        base=sources.base, experts=sources.experts, method=others_settings.method,
+        parameters=others_settings.parameters,
+        expert_parameters={e.task: e.merge_parameters for e in config.sources.experts if e.merge_parameters},
+        dtype=config.merge.dtype)
+    sets = calibration_sets(config, sources, load_tokenizer(sources.base))
+    record = regmean_record(config, sources, others, sets)
+    written = out_dir / REGMEAN_RECORD
+    if written.is_file() and yaml.safe_load(written.read_text()) == record:
+        logger.info("merge: reusing %s (same RegMean record)", out_dir)
+        return out_dir, False
+    started = time.perf_counter()
+    with atomic_dir(out_dir, overwrite=True) as tmp:
+        merge_into(others, tmp, named=out_dir)
+        with collectors(config, sources) as pool:
+            statistics = pool.fetch(pool.submit("accumulate", [(sets[task], config.calibration.batch_size, progress)
+                                                                for task in config.tasks]))
+            shapes = pool.ask("shapes")[0]
+            _merge_linears(tmp, pool, shapes, config.merge.alpha, progress)
+        (tmp / REGMEAN_RECORD).write_text(yaml.safe_dump(record, sort_keys=False, allow_unicode=True))
+    logger.info("merge: RegMean of %d linears from %s tokens in %.1f s (collectors' peak memory %s)", len(shapes),
+                [s["tokens"] for s in statistics], time.perf_counter() - started,
+                [f"{s['peak_memory'] / 2**20:.0f} MiB" for s in statistics])
+    return out_dir, True
