@@ -28,7 +28,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,7 +46,9 @@ from darts_dist.core import LayerKey, TaskRouter, TaskVectors, TokenizedSet
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
 from darts_dist.evaluate.plots import plot_ablation_bias
+from darts_dist.evaluate.statistics import paired_comparison, passes_of
 from darts_dist.evaluate.tables import format_value
+from darts_dist.merge import REGMEAN
 from darts_dist.merge import merge_methods as known_merge_methods
 from darts_dist.pipeline import base_scores, merge_stage
 from darts_dist.sources.data import tokenized
@@ -83,6 +85,7 @@ VARIANTS: dict[str, Callable[[CalibrationSection], CalibrationSection | None]] =
 DEEP, COEFFICIENTS, COEFFICIENTS_DARTS = "deep", "coefficients", "coefficients+darts"
 DEFAULT_DEEP_LAYERS = ("changed", "final")
 COMPARED = ("nll_gap_closed", "score_gap_closed")  # what `claims` compares
+SIGNIFICANCE = 0.05  # a score claim's problem-by-problem p-value must be below this in every seed
 DEFAULT_MERGE_METHODS = ("task_arithmetic", "ties")
 # What tuning maximises: the validation mean over tasks of one of the evaluation's results.
 SELECT_METRICS = ("nll_gap_closed", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction")
@@ -115,6 +118,10 @@ class AblationPlan:
     deep_layers: tuple[object, ...] = DEFAULT_DEEP_LAYERS  # deep DARTS's surgery layers (layer sets allowed)
     extended: bool = True  # deep DARTS and the learned coefficients too
 
+    def built(self, settings: CalibrationSection) -> dict[str, CalibrationSection | None]:
+        """The plan's variants (by name) made from DARTS's settings `settings`."""
+        return {name: VARIANTS[name](settings) for name in self.variants}
+
 
 def plan_ablation(
     config: RunConfig,
@@ -125,12 +132,18 @@ def plan_ablation(
     seeds: int = 1,
     deep_layers: Sequence[object] = DEFAULT_DEEP_LAYERS,
     extended: bool = True,
+    variants: Sequence[str] | None = None,
 ) -> AblationPlan:
     """Check the request and derive every variant's settings from the config's calibration section.
 
     merge_methods default: the config's method, then task_arithmetic and TIES; with tuning the
-    validation fraction defaults to the config's, or 0.2 where the config holds none back.
+    validation fraction defaults to the config's, or 0.2 where the config holds none back. `variants`: a
+    subset of VARIANTS' names (default all).
     """
+    names = tuple(variants) if variants else tuple(VARIANTS)
+    if set(names) - set(VARIANTS) or len(set(names)) != len(names):
+        raise DartsError(f"variants {list(names)}: unknown or repeated {sorted(set(names) - set(VARIANTS)) or 'names'}",
+                         f"name each once, from {list(VARIANTS)}")
     methods = tuple(merge_methods) if merge_methods else tuple(dict.fromkeys((config.merge.method, *DEFAULT_MERGE_METHODS)))
     if config.merge.mergekit_yaml is not None:
         raise DartsError(f"the ablation merges with each of {list(methods)}, but merge.mergekit_yaml fixes one merge",
@@ -158,7 +171,7 @@ def plan_ablation(
         raise DartsError(f"validation fraction {fraction}: tuning needs one in (0, 1)", "e.g. --validation-fraction 0.2")
     config = updated(config, calibration=updated(settings, validation_fraction=fraction))
     settings = config.calibration
-    return AblationPlan(config, methods, {name: make(settings) for name, make in VARIANTS.items()}, trials, select,
+    return AblationPlan(config, methods, {name: VARIANTS[name](settings) for name in names}, trials, select,
                         seeds, tuple(deep_layers), extended)
 
 
@@ -270,8 +283,9 @@ def tune(
                         format_value(plan.select, value), _knobs(trial))
             if name not in best or value > best[name][0]:
                 best[name] = (value, trial)
-    variants = {name: make(best["darts"][1]) for name, make in VARIANTS.items()}
-    variants["surgery"] = best["surgery"][1]
+    variants = plan.built(best["darts"][1])
+    if "surgery" in variants:
+        variants["surgery"] = best["surgery"][1]
     return variants, trials
 
 
@@ -285,8 +299,15 @@ def _knobs(settings: CalibrationSection) -> dict[str, object]:
 
 
 def _merge_config(config: RunConfig, method: str) -> RunConfig:
-    return updated(config, merge=updated(config.merge, method=method,
-                                         output=config.run_dir / "ablation" / method / "merged"))
+    """The config merging with `method`: the config's own merge as it is; RegMean otherwise at its defaults; a
+    mergekit method with the config's parameters (a RegMean config's: those of its other tensors' method)."""
+    merge = config.merge
+    output = config.run_dir / "ablation" / method / "merged"
+    if method == merge.method:
+        return updated(config, merge=updated(merge, output=output))
+    parameters = {} if method == REGMEAN else (merge.others_merge.parameters if merge.method == REGMEAN
+                                                else merge.parameters)
+    return updated(config, merge=updated(merge, method=method, parameters=parameters, others=None, output=output))
 
 
 def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress: bool = True) -> dict[str, object]:
@@ -301,7 +322,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     config = with_concrete_layers(config, sources)
     settings = config.calibration
     # The variants again, from the concrete layers (the plan's may name layer sets).
-    plan = replace(plan, config=config, variants={name: make(settings) for name, make in VARIANTS.items()})
+    plan = replace(plan, config=config, variants=plan.built(settings))
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), progress)
     ctx = Context(config, sources, evaluator, device, model_dtype(settings.dtype, device), progress)
     deep_layers, vectors = None, None
@@ -334,13 +355,13 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         if tuned_here:  # on the headline merge; the others reuse its winners, so merges compare at equal settings
             variants, trials = tune(plan, merged, sides, ctx)
         here = dict(variants)
-        if headline and deep_layers is not None:
+        if headline and deep_layers is not None and "darts" in variants:
             here[DEEP] = updated(variants["darts"], layers=deep_layers)
         results = {}
         for name, variant in here.items():
             results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking, plan.seeds,
                                          router if name == "darts" else None)
-        if headline and vectors is not None:
+        if headline and vectors is not None and "darts" in variants:
             results |= _coefficient_variants(plan, variants["darts"], vectors, merged, sides, experts, ctx, tracking)
         methods[method] = {"merged": str(merged_dir), "variants": results, **({"tuning": trials} if tuned_here else {})}
         del merged, sides
@@ -348,6 +369,9 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     plot = plot_ablation_bias({m: r["variants"] for m, r in methods.items()},
                               config.run_dir / "plots" / "ablation_bias_by_position.png")
     headline_variants = methods[plan.merge_methods[0]]["variants"]
+    # Every variant of every merge by "method/variant", for the comparisons across merges.
+    everyone = {f"{method}/{name}": summary for method, result in methods.items()
+                for name, summary in result["variants"].items()}
     report = {
         "config": config.model_dump(mode="json"),
         "run_dir": str(config.run_dir),
@@ -355,7 +379,11 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         "seeds": plan.seeds,
         "variants": headline_variants,
         "claims": claims(headline_variants),
+        "paired": paired_tests(headline_variants),
         "merge_methods": methods,
+        **({"claims_across_merges": claims(everyone, keep=_across_merges),
+            "paired_across_merges": {key: test for key, test in paired_tests(everyone).items()
+                                     if _across_merges(*key.split(" vs "))}} if len(methods) > 1 else {}),
         "router": router_report,
         "tuning": {"trials": plan.trials, "select": plan.select, "merge_method": plan.merge_methods[0],
                    "validation_fraction": settings.validation_fraction} if plan.trials else None,
@@ -489,10 +517,63 @@ def over_seeds(runs: Sequence[dict[str, object]]) -> dict[str, object]:
             "seed_runs": list(runs)}
 
 
-def claims(variants: Mapping[str, Mapping[str, object]], metrics: Sequence[str] = COMPARED) -> list[str]:
+def _seed_run(variant: Mapping[str, object], seed: int) -> Mapping[str, object]:
+    """A variant's run of seed `seed`; an untrained variant's one run stands for every seed."""
+    runs = variant["seed_runs"]
+    return runs[0 if len(runs) == 1 else seed]
+
+
+def _corrected_passes(run: Mapping[str, object]) -> dict[str, list[bool]]:
+    return {task: passes_of(models["corrected"]) for task, models in run["passes"].items()}
+
+
+def mcnemar(a: Mapping[str, object], b: Mapping[str, object]) -> dict[str, object] | None:
+    """Variant `a` against `b` problem by problem (McNemar's exact test), seed i against seed i: pooled over tasks
+    and per task; the largest pooled p-value over seeds and whether `a` won more problems than it lost in every
+    seed. None where a run has no task scores."""
+    seeds = max(len(a["seed_runs"]), len(b["seed_runs"]))
+    if any("passes" not in run for run in (*a["seed_runs"], *b["seed_runs"])):
+        return None
+    pooled, tasks = [], {}
+    for seed in range(seeds):
+        ours, theirs = (_corrected_passes(_seed_run(v, seed)) for v in (a, b))
+        pooled.append(asdict(paired_comparison([p for t in ours for p in ours[t]],
+                                               [p for t in ours for p in theirs[t]])))
+        for task in ours:
+            tasks.setdefault(task, []).append(asdict(paired_comparison(ours[task], theirs[task])))
+    return {"seeds": pooled, "tasks": tasks, "pvalue_max": max(c["pvalue"] for c in pooled),
+            "wins_every_seed": all(c["wins"] > c["losses"] for c in pooled)}
+
+
+def paired_tests(variants: Mapping[str, Mapping[str, object]]) -> dict[str, dict[str, object]]:
+    """McNemar (`mcnemar`) for every two variants, keyed "A vs B" (A before B in the variants' order)."""
+    tests = {}
+    for a, b in itertools.combinations(variants, 2):
+        test = mcnemar(variants[a], variants[b])
+        if test is not None:
+            tests[f"{a} vs {b}"] = test
+    return tests
+
+
+def _paired_support(variants: Mapping[str, Mapping[str, object]], a: str, b: str) -> str | None:
+    """Why the problem-by-problem test backs "a beats b" on a score, or None where it does not."""
+    test = mcnemar(variants[a], variants[b])
+    if test is None or not test["wins_every_seed"] or test["pvalue_max"] >= SIGNIFICANCE:
+        return None
+    return f"McNemar p ≤ {test['pvalue_max']:.2g} in every seed"
+
+
+def _across_merges(a: str, b: str) -> bool:
+    """Whether two "method/variant" names are of different merge methods."""
+    return a.split("/")[0] != b.split("/")[0]
+
+
+def claims(variants: Mapping[str, Mapping[str, object]], metrics: Sequence[str] = COMPARED,
+           keep: Callable[[str, str], bool] = lambda a, b: True) -> list[str]:
     """"A beats B on M" for every pair of variants whose mean paired difference over seeds (seed i against
-    seed i; an untrained variant's one result against each) exceeds two standard deviations of the differences.
-    Nothing with one seed: a spread needs two."""
+    seed i; an untrained variant's one result against each) exceeds two standard deviations of the differences,
+    and, for a score, whose problem-by-problem test (McNemar, pooled over tasks) gives p < 0.05 in every seed
+    with more wins than losses. Nothing with one seed: a spread needs two. `keep(a, b)`: which pairs to compare."""
     found = []
     for metric in metrics:
         values = {name: [run["overall"].get(metric) for run in variant["seed_runs"]] for name, variant in variants.items()}
@@ -502,11 +583,18 @@ def claims(variants: Mapping[str, Mapping[str, object]], metrics: Sequence[str] 
             continue
         paired = {name: v * seeds if len(v) == 1 else v for name, v in values.items() if len(v) in (1, seeds)}
         for a, b in itertools.permutations(paired, 2):
+            if not keep(a, b):
+                continue
             differences = [x - y for x, y in zip(paired[a], paired[b])]
             mean, sd = statistics.fmean(differences), statistics.stdev(differences)
-            if mean > 0 and mean > 2 * sd:
-                found.append(f"{a} beats {b} on {metric}: {format_value(metric, mean)} "
-                             f"(sd of the paired differences {format_value(metric, sd)}, {seeds} seeds)")
+            if mean <= 0 or mean <= 2 * sd:
+                continue
+            support = _paired_support(variants, a, b) if metric.startswith("score") else ""
+            if support is None:
+                continue
+            found.append(f"{a} beats {b} on {metric}: {format_value(metric, mean)} "
+                         f"(sd of the paired differences {format_value(metric, sd)}, {seeds} seeds"
+                         f"{'; ' + support if support else ''})")
     return found
 
 
@@ -541,12 +629,22 @@ def ablation_tables(report: Mapping[str, object]) -> list[tuple[str, list[str], 
             for task, values in variant["tasks"].items():
                 task_rows.append([method, name, task, *(format_value(k, values.get(k)) for k in TASK_COLUMNS)])
     seeds = report.get("seeds", 1)
-    claimed = [[claim] for claim in report.get("claims", [])] or [[
+    claimed = [[claim] for claim in [*report.get("claims", []), *report.get("claims_across_merges", [])]] or [[
         "none: one seed gives no spread" if seeds < 2 else "none beyond two standard deviations"]]
+    tests = {**report.get("paired", {}), **report.get("paired_across_merges", {})}
+    paired_rows = [[key, ", ".join(f"{c['wins']}/{c['losses']}" for c in test["seeds"]),
+                    f"{test['pvalue_max']:.3g}", *(", ".join(f"{c['wins']}/{c['losses']} p {c['pvalue']:.2g}"
+                                                             for c in per_seed) for per_seed in test["tasks"].values())]
+                   for key, test in tests.items()]
+    task_names = list(next(iter(tests.values()))["tasks"]) if tests else []
     return [
         (f"ablation, held-out, mean over tasks ({seeds} seed{'s' if seeds > 1 else ''}: mean ± sd)",
          ["merge", "variant", *OVERALL_COLUMNS.values()], overall_rows),
         ("ablation, held-out, per task (mean over seeds)", ["merge", "variant", "task", *TASK_COLUMNS.values()],
          task_rows),
-        ("ablation: differences beyond two standard deviations over seeds", ["claim"], claimed),
+        ("ablation: differences beyond two standard deviations over seeds (scores: and McNemar p < 0.05 in every "
+         "seed)", ["claim"], claimed),
+        *([("ablation: problem by problem, A vs B (wins/losses of A per seed, pooled over tasks; McNemar's exact "
+            "test, the largest p over seeds; then per task)", ["A vs B", "wins/losses", "p (max)", *task_names],
+            paired_rows)] if paired_rows else []),
     ]

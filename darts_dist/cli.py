@@ -172,7 +172,7 @@ def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes:
     from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
     from darts_dist.plan.check import check_run
 
-    check_run(config, ("calibration", "evaluation"))
+    check_run(config, ("merge", "calibration", "evaluation"))
     with _session(config.tracking, config.name, command) as tracking:
         state = prepare(config, tracking)
         state.report.update(notes or {})
@@ -228,11 +228,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     logger.info("darts-dist demo (%s): run folder %s", name, config.run_dir)
     if args.ablate:  # the ablation table on the same config instead of one calibration
         return _ablate(config, args)
-    if args.merge_methods or args.tune or args.validation_fraction is not None or args.seeds != 1 or args.basic:
-        raise DartsError("--merge-methods, --tune, --validation-fraction, --seeds and --basic choose what the "
-                         "ablation compares",
+    if args.merge_methods or args.tune or args.validation_fraction is not None or args.seeds != 1 or args.basic \
+            or args.variants:
+        raise DartsError("--merge-methods, --tune, --validation-fraction, --seeds, --basic and --variants choose "
+                         "what the ablation compares",
                          "add --ablate to run the ablation")
-    check_run(config, ("calibration", "evaluation"))
+    check_run(config, ("merge", "calibration", "evaluation"))
     with _session(config.tracking, config.name, "demo") as tracking:
         state = prepare(config, tracking)
         corrections = run_calibration(state)
@@ -266,8 +267,10 @@ def _ablate(config: RunConfig, args: argparse.Namespace) -> None:
 
     methods = [m.strip() for m in args.merge_methods.split(",") if m.strip()] if args.merge_methods else None
     deep = [part.strip() for part in args.deep_layers.split(",") if part.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     plan = plan_ablation(config, methods, trials=args.tune, validation_fraction=args.validation_fraction,
-                         select=args.select, seeds=args.seeds, deep_layers=deep, extended=not args.basic)
+                         select=args.select, seeds=args.seeds, deep_layers=deep, extended=not args.basic,
+                         variants=variants)
     with _session(config.tracking, config.name, "ablate") as tracking:
         report = run_ablation(plan, tracking)
         print_tables([(f"{config.name}: {title}", headers, rows) for title, headers, rows in ablation_tables(report)])
@@ -528,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("config", type=Path)
     for p in (demo, ablate):
         p.add_argument("--merge-methods", default=None, metavar="M1,M2",
-                       help="mergekit methods to compare (default: the config's, task_arithmetic, ties)")
+                       help="merge methods to compare, mergekit's or regmean (default: the config's, "
+                       "task_arithmetic, ties)")
         p.add_argument("--tune", type=int, default=0, metavar="TRIALS",
                        help="tune Surgery and DARTS with this many paired trials each on a validation split (default 0)")
         p.add_argument("--validation-fraction", type=float, default=None,
@@ -541,6 +545,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="deep DARTS's surgery layers: indices, final, all, every:N, changed (default changed,final)")
         p.add_argument("--basic", action="store_true",
                        help="only merged, Surgery, +entropy, +position and DARTS (no deep DARTS, no learned coefficients)")
+        p.add_argument("--variants", default=None, metavar="V1,V2",
+                       help="only these of merged, surgery, entropy, position, darts (default all; deep DARTS and "
+                       "the learned coefficients need darts)")
     sweep = command("merge-sweep", "score candidate merges on the validation split and name the best", cmd_merge_sweep)
     sweep.add_argument("config", type=Path)
     sweep.add_argument("--candidates", nargs="+", default=None, metavar="METHOD[:K=V,...]",

@@ -1,6 +1,6 @@
 """The merge a user would pick: every candidate merge scored on the validation split, the best one named.
 
-A candidate is a mergekit method with its parameters (`task_arithmetic:weight=0.5`). Each is merged
+A candidate is a merge method with its parameters (`task_arithmetic:weight=0.5`, `regmean:alpha=0.5`). Each is merged
 (an identical earlier merge is reused) and its greedy answers to every task's validation problems
 are checked with the task's scorer; the best mean score over tasks wins. The validation split is the
 calibration rows `calibration.validation_fraction` holds back, never the held-out set, so the
@@ -19,7 +19,7 @@ from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import format_value
 from darts_dist.evaluate.task_scores import Problem, Scorer, problem_passes, score_fields, scorer_named
 from darts_dist.generation import CorrectedLM
-from darts_dist.merge import merge_methods
+from darts_dist.merge import REGMEAN, merge_methods
 from darts_dist.pipeline import merge_stage
 from darts_dist.sources.data import split_rows
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MergeCandidate:
-    """One merge to try: a mergekit method and the parameters every expert gets."""
+    """One merge to try: a merge method (mergekit's, or regmean) and its parameters (for mergekit's, every expert
+    gets them)."""
 
     method: str
     parameters: Mapping[str, float] = field(default_factory=dict)
@@ -112,7 +113,9 @@ def sweep_merges(
     results = {}
     for candidate in candidates:
         folder = candidate.name.replace(":", "-").replace(",", "-").replace("=", "")
+        # RegMean keeps the config's merge.others (its other tensors' method); a mergekit method has none.
         merge = updated(config.merge, method=candidate.method, parameters=dict(candidate.parameters),
+                        others=config.merge.others if candidate.method == REGMEAN else None,
                         output=config.run_dir / "merge_sweep" / folder / "merged")
         merged_dir = merge_stage(updated(config, merge=merge), sources)
         model = load_causal_lm(merged_dir, dtype=dtype, device=device)

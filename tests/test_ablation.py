@@ -167,7 +167,17 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
     # neither compared gap (NLL, score) is defined in any run, and a claim needs one on both sides.
     assert {run["overall"].get(metric) for variant in report["variants"].values() for run in variant["seed_runs"]
             for metric in ("nll_gap_closed", "score_gap_closed")} == {None}
-    assert report["claims"] == []
+    assert report["claims"] == [] and report["claims_across_merges"] == []
+    # Problem by problem: every two variants of the headline merge, and the variants across the two merges.
+    merged_passes = report["variants"]["merged"]["seed_runs"][0]["passes"]
+    assert set(merged_passes) == set(TASKS) and len(merged_passes["math"]["corrected"]) == 1
+    test = report["paired"]["merged vs darts"]
+    for seed, run in enumerate(report["variants"]["darts"]["seed_runs"]):
+        ours, theirs = ("".join(p[t]["corrected"] for t in TASKS) for p in (merged_passes, run["passes"]))
+        assert test["seeds"][seed]["wins"] == sum(a > b for a, b in zip(ours, theirs))
+        assert test["seeds"][seed]["losses"] == sum(a < b for a, b in zip(ours, theirs))
+    across = report["paired_across_merges"]
+    assert "task_arithmetic/darts vs ties/darts" in across and "task_arithmetic/merged vs task_arithmetic/darts" not in across
     for method in report["merge_methods"].values():
         for name, variant in method["variants"].items():
             assert keys <= set(variant["overall"]) and {"bias_reduction", "weighted_bias_reduction"} <= set(variant["overall_sd"])
@@ -231,3 +241,50 @@ def test_demo_ablate_reports_every_variant_and_the_router(tmp_path: Path, monkey
     accuracy, per_task = router_accuracy_by_hand(report)
     assert report["router"]["accuracy"] == pytest.approx(accuracy)
     assert report["router"]["per_task"] == pytest.approx(per_task)
+
+
+def _variant(*seeds: tuple[float, dict[str, str]]) -> dict:
+    """A variant's summary from (score gap closed, {task: passes}) per seed."""
+    return {"seed_runs": [{"overall": {"score_gap_closed": gap},
+                           "passes": {t: {"corrected": p} for t, p in passes.items()}} for gap, passes in seeds]}
+
+
+def test_a_score_claim_needs_the_seed_spread_and_mcnemar_in_every_seed() -> None:
+    from darts_dist.ablation import claims, mcnemar, paired_tests
+
+    merged = _variant((0.0, {"math": "0" * 30, "code": "0" * 30}))
+    strong = _variant((0.9, {"math": "1" * 12 + "0" * 18, "code": "1" * 4 + "0" * 26}),
+                      (0.8, {"math": "1" * 10 + "0" * 20, "code": "1" * 5 + "0" * 25}))
+    # Beyond two sd over seeds, but 3 wins against none in each seed: McNemar's p is 0.25.
+    few = _variant((0.3, {"math": "111" + "0" * 27, "code": "0" * 30}),
+                   (0.31, {"math": "0" * 27 + "111", "code": "0" * 30}))
+    variants = {"merged": merged, "strong": strong, "few": few}
+    test = mcnemar(strong, merged)
+    assert [(c["wins"], c["losses"]) for c in test["seeds"]] == [(16, 0), (15, 0)]
+    assert test["tasks"]["math"][1] == {"wins": 10, "losses": 0, "pvalue": pytest.approx(2 * 0.5**10)}
+    assert test["pvalue_max"] == pytest.approx(2 * 0.5**15) and test["wins_every_seed"]
+    assert mcnemar(few, merged)["pvalue_max"] == pytest.approx(0.25)
+    found = claims(variants, ["score_gap_closed"])
+    assert [c.split(" on ")[0] for c in found] == ["strong beats merged", "strong beats few"]
+    assert "McNemar p ≤" in found[0]
+    assert set(paired_tests(variants)) == {"merged vs strong", "merged vs few", "strong vs few"}
+    assert claims(variants, ["score_gap_closed"], keep=lambda a, b: b == "few") == [found[1]]
+
+
+def test_variants_can_be_chosen() -> None:
+    plan = plan_ablation(_config(), variants=["merged", "darts"])
+    assert list(plan.variants) == ["merged", "darts"]
+    with pytest.raises(DartsError, match="unknown or repeated"):
+        plan_ablation(_config(), variants=["merged", "dart"])
+
+
+def test_each_merge_method_gets_settings_it_takes() -> None:
+    from darts_dist.ablation import _merge_config
+
+    config = _config(merge={"method": "task_arithmetic", "parameters": {"weight": 0.5}})
+    regmean = _merge_config(config, "regmean").merge
+    assert (regmean.method, regmean.parameters, regmean.others, regmean.alpha) == ("regmean", {}, None, 0.9)
+    assert _merge_config(config, "task_arithmetic").merge.parameters == {"weight": 0.5}
+    back = _merge_config(_config(merge={"method": "regmean", "others": {"method": "linear", "parameters": {
+        "weight": 2.0}}}), "ties").merge
+    assert (back.method, back.parameters, back.others) == ("ties", {"weight": 2.0}, None)

@@ -104,3 +104,14 @@ def test_merge_sweep_command_writes_its_report(tiny_family, tmp_path: Path, monk
     out = capsys.readouterr().out
     assert "best on validation: task_arithmetic:weight=0.7" in out and "merge sweep" in out
     assert main(["merge-sweep", str(path), "--candidates", "task_arithmetic:w"]) == 2
+
+
+def test_a_regmean_candidate_is_merged_from_the_calibration_rows(tiny_family, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(merge_sweep, "problem_passes", lambda lm, task, problems, *a, **k: [False] * len(problems))
+    config = _config(tiny_family, tmp_path, validation_fraction=0.5)
+    config = updated(config, merge=updated(config.merge, method="regmean", parameters={}, others={"method": "linear"}))
+    candidates = [MergeCandidate.parse("regmean:alpha=0.5"), MergeCandidate.parse("task_arithmetic:weight=0.5")]
+    report = sweep_merges(config, candidates, progress=False)
+    merged = Path(report["candidates"]["regmean:alpha=0.5"]["merged"])
+    assert (merged / "regmean_config.yml").is_file() and "alpha: 0.5" in (merged / "regmean_config.yml").read_text()
+    assert not (Path(report["candidates"]["task_arithmetic:weight=0.5"]["merged"]) / "regmean_config.yml").exists()

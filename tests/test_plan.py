@@ -267,3 +267,25 @@ def test_a_zero3_worker_holds_the_whole_model_while_it_loads_then_its_partition(
     assert worker.parts["whole model before partitioning"] == weights
     assert worker.memory["weights"] == weights // 2 + plan.correction_parameters * 4  # fp32 corrections
     assert weights * 1.5 <= worker.bytes < weights * 1.6
+
+
+def test_regmean_gram_actors_hold_an_experts_grams_and_the_driver_solves_one_linear_at_a_time(
+    llama2_7b: Path, tmp_path: Path,
+) -> None:
+    """Llama-2-7B's Grams by hand: per layer q/k/v's, o_proj's and gate/up's [4096²] and down_proj's [11008²], fp32:
+    22.0 GB an expert, held by its actor on a GPU node, never by the driver."""
+    config = load_config(llama2_7b)
+    regmean = parse_config(config.model_dump(mode="json") | {"merge": {"method": "regmean"}})
+    plan = build_plan(regmean)
+    actors = [role for role in plan.roles if role.phase == "merge"]
+    assert [role.name for role in actors] == [f"Gram actor ({t})" for t in regmean.tasks]
+    assert actors[0].parts["grams"] == 32 * (3 * 4096**2 + 11008**2) * 4
+    assert actors[0].parts["weights"] == plan.merged.weight_bytes("bfloat16") and actors[0].device == "GPU"
+    solve = plan.driver.stages["regmean"]["solve"]  # down_proj: 3 experts' fp32 shares, float64 sums and factor
+    assert solve == 3 * (11008**2 + 11008 * 4096) * 4 + (2 * 11008**2 + 11008 * 4096) * 8
+    assert "experts and their grams" not in plan.driver.stages["regmean"]
+    assert not [role for role in build_plan(config).roles if role.phase == "merge"]  # mergekit merges: no actors
+    # The fit is checked phase by phase: three Gram actors need three GPUs of room for 36 GB each.
+    small = nodes_file(tmp_path, {"CPU": 16, "GPU": 4, "memory": 256 * GIB})
+    found = problems(plan.roles, json.loads(small.read_text()), 24 * GIB)
+    assert any(line.startswith("merge: Gram actor (code) needs") for line in found), found

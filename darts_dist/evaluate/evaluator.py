@@ -24,6 +24,7 @@ from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.config import RunConfig
 from darts_dist.core import DartsCorrections, TaskRouter, TokenizedSet
 from darts_dist.evaluate.passes import Outputs, Reference, TaskTally, corrected_outputs, merged_outputs, reference
+from darts_dist.evaluate.statistics import passes_text
 from darts_dist.evaluate.tables import overall
 from darts_dist.evaluate.task_scores import (
     Problem,
@@ -285,4 +286,8 @@ class Evaluator:
                     result |= canonical_fields(self._tally(side.canonical, plain.canonical, merged, candidate,
                                                            corrections, side))
             tasks[side.task] = result
-        return {"overall": overall(tasks) | overall_score_fields(scored), "tasks": tasks}
+        # Each problem's pass or fail, so that runs and variants on the same problems can be paired later.
+        passes = {task: {model: passes_text(outcome) for model, outcome in models.items() if outcome is not None}
+                  for task, models in scored.items()}
+        return {"overall": overall(tasks) | overall_score_fields(scored), "tasks": tasks,
+                **({"passes": passes} if passes else {})}

@@ -45,6 +45,15 @@ def paired_comparison(model: Sequence[bool], other: Sequence[bool]) -> PairedCom
     return PairedComparison(wins, losses, pvalue)
 
 
+def passes_text(passes: Sequence[bool]) -> str:
+    """Pass/fail per problem as a string of 1s and 0s: how reports keep them for later paired tests."""
+    return "".join("1" if passed else "0" for passed in passes)
+
+
+def passes_of(text: str) -> list[bool]:
+    return [character == "1" for character in text]
+
+
 def gap_closed(expert: float, merged: float, corrected: float) -> float | None:
     """The share of the expert's lead over the merged model the correction wins back; None when there is none."""
     gap = expert - merged

@@ -91,7 +91,7 @@ def driver_holds_evaluation(config: RunConfig) -> bool:
 
 
 def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
-    """`calibrate` (phases calibration and evaluation) and `evaluate` (evaluation): the plan's roles of those
+    """`calibrate` (phases merge, calibration and evaluation) and `evaluate` (evaluation): the plan's roles of those
     phases on the run's cluster, and the driver on this machine."""
     plan = build_plan(config)
     roles = [role for role in plan.roles if role.phase in phases]

@@ -17,7 +17,7 @@ GIB = 1 << 30
 # Memory of one GPU by Ray's accelerator type (the largest variant where a type comes in several).
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "L40": 48, "A6000": 48, "A10G": 24, "A10": 24,
                   "L4": 24, "V100": 32, "T4": 16}
-PHASES = ("calibration", "evaluation", "serving")
+PHASES = ("merge", "calibration", "evaluation", "serving")
 
 
 def read_nodes(address: str | None = None, resources: Path | None = None) -> list[dict[str, float]]:

@@ -1,5 +1,5 @@
-"""What each Ray role of a run holds, in bytes, from the config and the models' shapes: the expert actors and
-training workers of calibration, the evaluation actors, the serving replicas, and the driver.
+"""What each Ray role of a run holds, in bytes, from the config and the models' shapes: RegMean's Gram actors, the
+expert actors and training workers of calibration, the evaluation actors, the serving replicas, and the driver.
 
 Estimates, on purpose simple: weights (parameters × the role's dtype), the forward's largest transient tensors
 (logits B·S·V and, for NLL, their fp32 shifted copy and its log-softmax; the hidden states the loss reads; one
@@ -19,6 +19,7 @@ from darts_dist.calibrate.ray.placement import Bundle, expert_bundle, worker_bun
 from darts_dist.config import RunConfig, ServeSection
 from darts_dist.core import CorrectionSpec, expected_parameter_count
 from darts_dist.evaluate.on_ray import uses_ray
+from darts_dist.merge import REGMEAN
 from darts_dist.plan.shapes import ModelShape
 
 TOKEN_ROW_BYTES = 17  # input ids and attention mask (int64) and the response mask (bool) of a token
@@ -31,7 +32,7 @@ MAPPED_INPUTS = "mapped inputs"  # weight files mapped and read once: page cache
 @dataclass(frozen=True)
 class Role:
     name: str
-    phase: str  # calibration, evaluation, serving or driver: roles of one phase run at once
+    phase: str  # merge, calibration, evaluation, serving or driver: roles of one phase run at once
     count: int
     bundle: Bundle  # Ray resources of one instance
     memory: dict[str, int] = field(default_factory=dict)  # one instance's bytes held throughout, by what holds them
@@ -121,6 +122,44 @@ def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged:
     return roles
 
 
+def gram_bytes(shape: ModelShape) -> int:
+    """An expert's RegMean Grams (fp32): per decoder layer one [in, in] matrix per distinct linear input, the
+    attention's (q, k, v share it), o_proj's, the MLP's (gate and up share it) and down_proj's. o_proj's input
+    is taken as hidden-wide (heads × head size: so in Llama, Mistral and Qwen)."""
+    d, inter = shape.hidden_size, shape.intermediate_size
+    return shape.num_layers * (3 * d * d + inter * inter) * 4
+
+
+def _largest_linear(shape: ModelShape) -> tuple[int, int]:
+    """(in, out) of the linear with the largest Gram: down_proj, intermediate-wide in, hidden-wide out."""
+    return shape.intermediate_size, shape.hidden_size
+
+
+def _solve_bytes(shape: ModelShape, experts: int) -> int:
+    """RegMean's solve of its largest linear on the driver: every expert's fp32 share (G̃ and G̃Wᵀ) in transit,
+    the float64 sums and Cholesky's factor."""
+    n_in, n_out = _largest_linear(shape)
+    return experts * (n_in * n_in + n_in * n_out) * 4 + (2 * n_in * n_in + n_in * n_out) * 8
+
+
+def merge_roles(config: RunConfig, experts: dict[str, ModelShape]) -> list[Role]:
+    """RegMean's Gram actors on Ray (merge.method regmean): each expert's weights, its Grams, its decoder's forward
+    activations, and the float64 share of one linear it computes when the driver asks."""
+    c, cluster = config.calibration, config.cluster
+    if config.merge.method != REGMEAN or cluster.executor != "ray":
+        return []
+    dtype = c.dtype if cluster.use_gpu else "float32"
+    item = 2 if dtype != "float32" else 4
+    roles = []
+    for task, shape in experts.items():
+        n_in, n_out = _largest_linear(shape)
+        roles.append(Role(f"Gram actor ({task})", "merge", 1, expert_bundle(cluster), {
+            "weights": shape.weight_bytes(dtype), "grams": gram_bytes(shape),
+            "activations": _forward(shape, c.batch_size, c.max_length, item),
+            "one linear's share": (2 * n_in * n_in + n_in * n_out) * 8}))
+    return roles
+
+
 def _nll_logits(shape: ModelShape, rows: int, length: int, itemsize: int) -> int:
     """A scoring pass's logits: B·S·V in the compute dtype, plus NLL's fp32 copy of the shifted logits and its
     log-softmax (core.metrics.token_nll)."""
@@ -185,6 +224,16 @@ def merge_stages(experts: dict[str, ModelShape], merged: ModelShape) -> dict[str
     return stages
 
 
+def regmean_stage(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> dict[str, int]:
+    """The driver's part of a RegMean merge: a shard of the merge rewritten while one linear is solved; in-process
+    it also holds every expert's model and Grams (the collectors live in the driver then)."""
+    stage = {"merge output": min(merged.weight_bytes("float32"), MERGE_SHARD_BYTES),
+             "solve": _solve_bytes(merged, len(experts))}
+    if config.cluster.executor != "ray":
+        stage["experts and their grams"] = sum(s.weight_bytes("float32") + gram_bytes(s) for s in experts.values())
+    return stage
+
+
 def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> Role:
     """The driver (the head node): the tokenised calibration sets throughout; in stages the merge (merge_stages)
     and, unless the models are on GPU actors, the models it runs itself: the merged one for the router's held-out
@@ -193,6 +242,8 @@ def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: Model
     c = config.calibration
     memory = {"calibration rows": len(config.tasks) * c.num_samples * c.max_length * TOKEN_ROW_BYTES}
     stages = merge_stages(experts, merged)
+    if config.merge.method == REGMEAN:
+        stages["regmean"] = regmean_stage(config, experts, merged)
     if not config.models_on_gpus:
         stages["router"] = {"weights": merged.weight_bytes("float32"),
                             "activations": _forward(merged, c.batch_size, c.max_length, 4)}
