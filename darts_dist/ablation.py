@@ -7,11 +7,11 @@ budget) becomes a plan (`plan_ablation`: every variant's calibration settings), 
 validation and held-out sets once for all merge methods; each merged model over them once for
 all variants. Each variant then trains on those features and is evaluated from them.
 
-Tuning (`trials` > 0) is a random search on a validation split carved from the calibration data
-(`calibration.validation_fraction`), never on the held-out set: Surgery and DARTS get the same
-number of trials, paired so that trial i draws the same rank, steps and learning rate for both;
-DARTS also draws T and each task's β. Trial 0 is the config's own settings. It runs on the
-headline (first) merge method; the other merges reuse its winners.
+Tuning (`trials` > 0) is Ray Tune with Optuna's search (`tuning`) on a validation split carved from the
+calibration data (`calibration.validation_fraction`), never on the held-out set: Surgery and DARTS get the
+same number of trials, over rank, steps and learning rate, DARTS also over T and each task's β; each
+Tuner's first trial is the config's own settings. It runs on the headline (first) merge method; the other
+merges reuse its winners.
 
 Seeds (`seeds` > 1): every trained variant trains once per seed (calibration.seed + i: its initial
 corrections and minibatch order; the learned coefficients' minibatch order), and each reported number
@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +40,7 @@ from darts_dist.calibrate.features import TaskFeatures, collect_features, collec
 from darts_dist.calibrate.layers import concrete_layers, with_concrete_layers
 from darts_dist.calibrate.loop import train_corrections
 from darts_dist.calibrate.router import fit_run_router
-from darts_dist.config import CalibrationSection, RunConfig, TaskCalibration, updated
+from darts_dist.config import CalibrationSection, RunConfig, updated
 from darts_dist.core import LayerKey, TaskRouter, TaskVectors, TokenizedSet
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
@@ -55,6 +54,7 @@ from darts_dist.sources.data import tokenized
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources, resolve_sources
 from darts_dist.tracking.runs import Tracking, evaluation_metrics, log_config, log_evaluation
+from darts_dist.tuning import tune_variant
 
 logger = logging.getLogger(__name__)
 
@@ -89,19 +89,6 @@ SIGNIFICANCE = 0.05  # a score claim's problem-by-problem p-value must be below 
 DEFAULT_MERGE_METHODS = ("task_arithmetic", "ties")
 # What tuning maximises: the validation mean over tasks of one of the evaluation's results.
 SELECT_METRICS = ("nll_gap_closed", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction")
-SHARED_KNOBS = ("rank", "steps", "learning_rate")  # drawn alike for Surgery and DARTS; T and β: DARTS only
-
-
-def search_space(settings: CalibrationSection) -> dict[str, tuple]:
-    """The random search's values, around the config's own: its steps ×1, 2, 4 (a trial never trains less),
-    its learning rate ×0.3 to ×10, T a quarter, half or all of the calibrated length."""
-    return {
-        "rank": (16, 32, 64, 128, 256),
-        "steps": tuple(settings.steps * factor for factor in (1, 2, 4)),
-        "learning_rate": tuple(settings.learning_rate * factor for factor in (0.3, 1.0, 3.0, 10.0)),
-        "max_positions": tuple(max(1, settings.max_length // part) for part in (4, 2, 1)),
-        "beta": (0.0, 0.25, 0.5, 1.0),
-    }
 
 
 @dataclass(frozen=True)
@@ -173,21 +160,6 @@ def plan_ablation(
     settings = config.calibration
     return AblationPlan(config, methods, {name: VARIANTS[name](settings) for name in names}, trials, select,
                         seeds, tuple(deep_layers), extended)
-
-
-def sweep_settings(
-    settings: CalibrationSection, tasks: Sequence[str], trials: int, seed: int = 0
-) -> list[tuple[CalibrationSection, CalibrationSection]]:
-    """(Surgery, DARTS) settings of each trial: the config's own first, then paired random draws."""
-    rng = random.Random(seed)
-    space = search_space(settings)
-    pairs = [(VARIANTS["surgery"](settings), settings)]
-    for _ in range(trials - 1):
-        shared = {key: rng.choice(space[key]) for key in SHARED_KNOBS}
-        betas = {t: updated(settings.tasks.get(t) or TaskCalibration(), beta=rng.choice(space["beta"])) for t in tasks}
-        darts = updated(settings, **shared, max_positions=rng.choice(space["max_positions"]), tasks=betas)
-        pairs.append((VARIANTS["surgery"](darts), darts))
-    return pairs
 
 
 # --- execution --------------------------------------------------------------------------------
@@ -264,28 +236,20 @@ def variant_features(features: Sequence[TaskFeatures], settings: CalibrationSect
 
 
 def tune(
-    plan: AblationPlan, merged: PreTrainedModel, sides: MergeSides, ctx: Context
+    plan: AblationPlan, merged_dir: Path, sides: MergeSides, ctx: Context, tracking: Tracking | None,
 ) -> tuple[dict[str, CalibrationSection | None], list[dict[str, object]]]:
-    """The random search on the validation split: each trial's results, and the variants built from the winners."""
+    """Ray Tune on the validation split (`tuning.tune_variant`), Surgery and DARTS with the same budget: each
+    trial's results, and the variants built from the winners."""
     settings = plan.config.calibration
-    trials = []
-    best: dict[str, tuple[float, CalibrationSection]] = {}
-    for number, pair in enumerate(sweep_settings(settings, plan.config.tasks, plan.trials, seed=settings.seed)):
-        for name, trial in zip(("surgery", "darts"), pair):
-            result = train_corrections(variant_features(sides.features, trial), trial, merged, progress=False)
-            validation = ctx.evaluator.evaluate(merged, result.corrections, sides.pairs, split="validation")
-            value = validation["overall"][plan.select]
-            value = float("-inf") if value is None else value
-            trials.append({"trial": number, "variant": name, "settings": _knobs(trial), plan.select: value,
-                           "overall": validation["overall"],
-                           "tasks": {t: {k: r.get(k) for k in SELECT_METRICS} for t, r in validation["tasks"].items()}})
-            logger.info("tune %s trial %d: validation %s %s (%s)", name, number, plan.select,
-                        format_value(plan.select, value), _knobs(trial))
-            if name not in best or value > best[name][0]:
-                best[name] = (value, trial)
-    variants = plan.built(best["darts"][1])
+    trials, best = [], {}
+    for name in ("surgery", "darts"):
+        features = variant_features(sides.features, VARIANTS[name](settings))
+        best[name], rows = tune_variant(name, VARIANTS[name], plan.config, plan.trials, plan.select, features,
+                                        merged_dir, ctx.dtype, ctx.evaluator, sides.pairs, tracking)
+        trials += [row | {"settings": _knobs(row["settings"])} for row in rows]
+    variants = plan.built(best["darts"])
     if "surgery" in variants:
-        variants["surgery"] = best["surgery"][1]
+        variants["surgery"] = best["surgery"]
     return variants, trials
 
 
@@ -353,7 +317,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         sides = merge_sides(merged, merged_dir, experts, ctx)
         tuned_here = plan.trials > 0 and trials is None
         if tuned_here:  # on the headline merge; the others reuse its winners, so merges compare at equal settings
-            variants, trials = tune(plan, merged, sides, ctx)
+            variants, trials = tune(plan, merged_dir, sides, ctx, tracking)
         here = dict(variants)
         if headline and deep_layers is not None and "darts" in variants:
             here[DEEP] = updated(variants["darts"], layers=deep_layers)

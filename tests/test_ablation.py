@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from darts_dist.ablation import SHARED_KNOBS, VARIANTS, plan_ablation, search_space, sweep_settings
+from darts_dist.ablation import VARIANTS, plan_ablation
 from darts_dist.calibrate.features import prompt_features
 from darts_dist.calibrate.loop import build_corrections
 from darts_dist.calibrate.router import task_prompts
@@ -83,17 +83,30 @@ def test_plan_refuses_bad_requests() -> None:
     assert plan_ablation(_config(), trials=0).config.calibration.validation_fraction == 0.0
 
 
-def test_sweep_pairs_surgery_and_darts_trials() -> None:
-    settings = plan_ablation(_config()).variants["darts"]
-    pairs = sweep_settings(settings, TASKS, trials=6, seed=1)
-    assert len(pairs) == 6 and pairs[0] == (VARIANTS["surgery"](settings), settings)
-    for surgery, darts in pairs:
-        for key in SHARED_KNOBS:  # the same draw for both
-            assert getattr(surgery, key) == getattr(darts, key)
-        assert surgery == VARIANTS["surgery"](darts)  # Surgery: the DARTS trial without β and P
-    for _, darts in pairs[1:]:
-        assert darts.steps >= settings.steps and darts.max_positions in search_space(settings)["max_positions"]
-    assert len({(d.rank, d.steps, d.learning_rate, d.max_positions) for _, d in pairs}) > 1
+def test_the_search_space_holds_the_configs_own_settings_and_trials_become_variants() -> None:
+    from darts_dist.tuning import own_point, search_space, trial_settings
+
+    settings = plan_ablation(_config(calibration={"rank": 24, "max_positions": 20, "max_length": 64})).variants["darts"]
+    darts_space, surgery_space = search_space(settings, TASKS, darts=True), search_space(settings, TASKS, darts=False)
+    assert set(surgery_space) == {"rank", "steps", "learning_rate"}  # no β, no T: Surgery has neither
+    assert set(darts_space) == {"rank", "steps", "learning_rate", "max_positions", "beta.code", "beta.math"}
+    point = own_point(settings, TASKS, darts=True)
+    assert point == {"rank": 24, "steps": settings.steps, "learning_rate": settings.learning_rate,
+                     "max_positions": 20, "beta.code": 0.7, "beta.math": 0.3}
+    assert 24 in darts_space["rank"].categories and 20 in darts_space["max_positions"].categories
+    assert min(darts_space["steps"].categories) == settings.steps  # a trial never trains less
+    first = trial_settings(settings, point, TASKS, VARIANTS["darts"])  # the first trial: the config's own
+    for key in ("rank", "steps", "learning_rate", "max_positions", "position_bias"):
+        assert getattr(first, key) == getattr(settings, key)
+    assert [first.beta_for(t) for t in TASKS] == [0.7, 0.3] and first.weight_on_for("math") == "response"
+    drawn = {"rank": 64, "steps": 2 * settings.steps, "learning_rate": 0.01, "max_positions": 16, "beta.code": 0.1,
+             "beta.math": 0.9}
+    darts = trial_settings(settings, drawn, TASKS, VARIANTS["darts"])
+    assert (darts.rank, darts.max_positions, darts.beta_for("code"), darts.beta_for("math")) == (64, 16, 0.1, 0.9)
+    assert darts.weight_on_for("math") == "response"  # a task's other overrides stay
+    surgery = trial_settings(settings, {"rank": 64, "steps": settings.steps, "learning_rate": 0.01}, TASKS,
+                             VARIANTS["surgery"])
+    assert (surgery.rank, surgery.beta_for("code"), surgery.position_bias) == (64, 0.0, "none")
 
 
 def test_validation_rows_are_held_back_from_calibration() -> None:
@@ -197,7 +210,11 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
     # Tuning: paired trials of Surgery and DARTS on the validation split of the headline merge, whose
     # winners the other merge reuses.
     tuning = report["merge_methods"]["task_arithmetic"]["tuning"]
-    assert [(t["trial"], t["variant"]) for t in tuning] == [(0, "surgery"), (0, "darts"), (1, "surgery"), (1, "darts")]
+    assert [(t["trial"], t["variant"]) for t in tuning] == [(0, "surgery"), (1, "surgery"), (0, "darts"), (1, "darts")]
+    own = {"rank": 4, "steps": 8, "learning_rate": 0.01, "max_positions": 16}
+    assert {key: tuning[2]["settings"][key] for key in own} == own  # each Tuner's first trial: the config's own
+    assert tuning[0]["settings"]["position_bias"] == "none" and tuning[0]["settings"]["beta"] == 0.0  # Surgery
+    assert all(isinstance(t["nll_gap_closed"], float) for t in tuning)
     assert "tuning" not in report["merge_methods"]["ties"]
     for name in ("surgery", "darts"):
         assert report["merge_methods"]["ties"]["variants"][name]["settings"] == report["variants"][name]["settings"]
@@ -217,6 +234,13 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
     assert Path(report["plots"]["ablation_bias_by_position"]).read_bytes().startswith(b"\x89PNG")
     runs = report["tracking"]["stage_runs"]
     assert "ablation/ties/darts" in runs
+    # Every Tune trial is an MLflow run nested under the command's (Ray Tune's MLflow callback).
+    client = MlflowClient(report["tracking"]["uri"])
+    trial_runs = client.search_runs([report["tracking"]["experiment_id"]],
+                                    f"tags.mlflow.parentRunId = '{report['tracking']['run_id']}' and "
+                                    "tags.`darts.stage` LIKE 'tune/%'")
+    assert sorted(run.data.tags["darts.stage"] for run in trial_runs) == ["tune/darts"] * 2 + ["tune/surgery"] * 2
+    assert all("nll_gap_closed" in run.data.metrics for run in trial_runs)
     metrics = MlflowClient(report["tracking"]["uri"]).get_run(runs["ablation/ties/darts"]).data.metrics
     parent = MlflowClient(report["tracking"]["uri"]).get_run(report["tracking"]["run_id"]).data.metrics
     assert parent["router.accuracy"] == pytest.approx(router["accuracy"])

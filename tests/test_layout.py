@@ -23,6 +23,7 @@ LAYERS = {
     "darts_dist.tracking": 6, "darts_dist.registry": 6,
     "darts_dist.serve": 7, "darts_dist.export": 7, "darts_dist.plan": 7,
     "darts_dist.pipeline": 8, "darts_dist.ablation": 8, "darts_dist.merge_sweep": 8, "darts_dist.recalibrate": 8,
+    "darts_dist.tuning": 8,
     "darts_dist.cli": 9,
 }
 

@@ -1,0 +1,141 @@
+"""`ablate --tune N`: Ray Tune searches Surgery's and DARTS's settings on the validation split, never on the
+held-out set.
+
+Each variant gets a Tuner of its own with the same budget, N trials: Surgery over rank, steps and learning
+rate; DARTS over those, the position table's length T and each task's β. Optuna's TPE (Ray Tune's
+OptunaSearch, seeded) proposes the trials, and the first trial is the config's own settings. A trial is a Ray
+actor: it trains the variant on the features the ablation computed once (shared through the object store,
+`tune.with_parameters`) and reports the validation mean over tasks of the selected metric. With a tracking
+session each trial is an MLflow run nested under the command's (Ray Tune's MLflowLoggerCallback).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from ray import tune
+from ray.air.integrations.mlflow import MLflowLoggerCallback
+from ray.tune.search.optuna import OptunaSearch
+
+from darts_dist.calibrate.features import TaskFeatures
+from darts_dist.calibrate.loop import train_corrections
+from darts_dist.calibrate.ray.remote import ray_session
+from darts_dist.config import CalibrationSection, RunConfig, TaskCalibration, updated
+from darts_dist.errors import DartsError
+from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
+from darts_dist.sources.models import load_causal_lm
+from darts_dist.tracking.runs import STAGE_TAG, Tracking
+
+logger = logging.getLogger(__name__)
+RANKS = (16, 32, 64, 128, 256)
+STEP_FACTORS = (1, 2, 4)  # a trial never trains less than the config says
+LEARNING_RATE_RANGE = (0.3, 10.0)  # × the config's, searched on a log scale
+POSITION_PARTS = (4, 2, 1)  # T: a quarter, half or all of the calibrated length
+
+
+def search_space(settings: CalibrationSection, tasks: Sequence[str], darts: bool) -> dict[str, object]:
+    """The Tuner's space around the config's settings (the config's own values always among the choices)."""
+    low, high = LEARNING_RATE_RANGE
+    space: dict[str, object] = {
+        "rank": tune.choice(sorted({*RANKS, settings.rank})),
+        "steps": tune.choice(sorted({settings.steps * factor for factor in STEP_FACTORS})),
+        "learning_rate": tune.loguniform(settings.learning_rate * low, settings.learning_rate * high),
+    }
+    if darts:
+        lengths = {max(1, settings.max_length // part) for part in POSITION_PARTS} | {settings.max_positions}
+        space["max_positions"] = tune.choice(sorted(lengths))
+        space |= {f"beta.{task}": tune.uniform(0.0, 1.0) for task in tasks}
+    return space
+
+
+def own_point(settings: CalibrationSection, tasks: Sequence[str], darts: bool) -> dict[str, object]:
+    """The config's own settings as a point of the space: the first trial."""
+    point: dict[str, object] = {"rank": settings.rank, "steps": settings.steps, "learning_rate": settings.learning_rate}
+    if darts:
+        point["max_positions"] = settings.max_positions
+        point |= {f"beta.{task}": settings.beta_for(task) for task in tasks}
+    return point
+
+
+def trial_settings(settings: CalibrationSection, params: Mapping[str, object], tasks: Sequence[str],
+                   variant: Callable[[CalibrationSection], CalibrationSection]) -> CalibrationSection:
+    """A trial's calibration settings: the config's with the drawn values, then made into the variant."""
+    drawn = updated(settings, rank=int(params["rank"]), steps=int(params["steps"]),
+                    learning_rate=float(params["learning_rate"]),
+                    max_positions=int(params.get("max_positions", settings.max_positions)))
+    if f"beta.{tasks[0]}" in params:
+        drawn = updated(drawn, tasks={task: updated(settings.tasks.get(task) or TaskCalibration(),
+                                                    beta=float(params[f"beta.{task}"])) for task in tasks})
+    return variant(drawn)
+
+
+def _trial(params: dict[str, object], *, settings: CalibrationSection, tasks: Sequence[str],
+           variant: Callable[[CalibrationSection], CalibrationSection], select: str, features: list[TaskFeatures],
+           merged_dir: Path, dtype: torch.dtype, evaluator: Evaluator,
+           pairs: list[tuple[ExpertSide, MergedSide]]) -> None:
+    """One Tune trial: train the variant at `params`, report its validation results (the selected one first)."""
+    chosen = trial_settings(settings, params, tasks, variant)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
+    result = train_corrections(features, chosen, merged, progress=False)
+    validation = evaluator.evaluate(merged, result.corrections.to(device), pairs, split="validation")
+    value = validation["overall"].get(select)
+    numbers = {f"validation.{key}": value for key, value in validation["overall"].items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    tune.report({select: -math.inf if value is None else value, **numbers,
+                 "final_loss": result.losses[-1]})
+
+
+def _mlflow(tracking: Tracking | None, name: str) -> list[MLflowLoggerCallback]:
+    """Each trial as an MLflow run under the command's run (none without a session)."""
+    if tracking is None or tracking.offline is not None:
+        return []
+    experiment = tracking.client.get_experiment(tracking.experiment_id).name
+    return [MLflowLoggerCallback(tracking_uri=tracking.uri, experiment_name=experiment,
+                                 tags={"mlflow.parentRunId": tracking.run_id, STAGE_TAG: f"tune/{name}"})]
+
+
+def tune_variant(
+    name: str, variant: Callable[[CalibrationSection], CalibrationSection], config: RunConfig, trials: int,
+    select: str, features: list[TaskFeatures], merged_dir: Path, dtype: torch.dtype, evaluator: Evaluator,
+    pairs: list[tuple[ExpertSide, MergedSide]], tracking: Tracking | None = None,
+) -> tuple[CalibrationSection, list[dict[str, object]]]:
+    """Tune one variant with `trials` trials; its best settings and every trial's (in the order they ran)."""
+    settings, tasks, darts = config.calibration, list(config.tasks), name == "darts"
+    trainable = tune.with_parameters(_trial, settings=settings, tasks=tasks, variant=variant, select=select,
+                                     features=features, merged_dir=merged_dir, dtype=dtype, evaluator=evaluator,
+                                     pairs=pairs)
+    cluster = config.cluster
+    resources = {"cpu": cluster.cpus_per_worker, "gpu": 1.0 if cluster.use_gpu else 0.0}
+    searcher = OptunaSearch(metric=select, mode="max", seed=settings.seed,
+                            points_to_evaluate=[own_point(settings, tasks, darts)])
+    address = cluster.address or os.environ.get("RAY_ADDRESS")
+    with ray_session(address, {"num_cpus": os.cpu_count() or 1}):
+        tuner = tune.Tuner(
+            tune.with_resources(trainable, resources),
+            param_space=search_space(settings, tasks, darts),
+            tune_config=tune.TuneConfig(search_alg=searcher, num_samples=trials, metric=select, mode="max"),
+            run_config=tune.RunConfig(name=name, storage_path=str((config.run_dir / "ablation" / "tune").absolute()),
+                                      callbacks=_mlflow(tracking, name), verbose=0),
+        )
+        grid = tuner.fit()
+    failed = [result.error for result in grid if result.error is not None]
+    if len(failed) == len(grid):
+        raise DartsError(f"every {name} tuning trial failed; the first: {failed[0]}",
+                         "fix the error above (its trial's log is under the run folder's ablation/tune)")
+    rows = []
+    for number, result in enumerate(sorted((r for r in grid if r.error is None), key=lambda r: r.metrics["trial_id"])):
+        chosen = trial_settings(settings, result.config, tasks, variant)
+        rows.append({"trial": number, "variant": name, "settings": chosen, select: result.metrics[select],
+                     "overall": {key.removeprefix("validation."): value for key, value in result.metrics.items()
+                                 if key.startswith("validation.")}})
+        logger.info("tune %s trial %d: validation %s %.4g", name, number, select, result.metrics[select])
+    # The best, the earlier trial on a tie: with nothing to tell trials apart (a metric undefined in every trial,
+    # -inf), the config's own settings win.
+    best = max(rows, key=lambda row: (row[select], -row["trial"]))
+    return best["settings"], rows
