@@ -84,7 +84,10 @@ VARIANTS: dict[str, Callable[[CalibrationSection], CalibrationSection | None]] =
 # merge coefficients replace the merge itself (they start from the run's task-arithmetic weights).
 DEEP, COEFFICIENTS, COEFFICIENTS_DARTS = "deep", "coefficients", "coefficients+darts"
 DEFAULT_DEEP_LAYERS = ("changed", "final")
-COMPARED = ("nll_gap_closed", "score_gap_closed")  # what `claims` compares
+# What `claims` compares and which way is better (+1: higher). Within a merge the gaps closed, which count from
+# that merge; across merges the absolute held-out NLL and score, since each merge's gap counts from itself.
+COMPARED = {"nll_gap_closed": 1, "score_gap_closed": 1}
+ACROSS_MERGES = {"nll_corrected": -1, "score_corrected": 1}
 SIGNIFICANCE = 0.05  # a score claim's problem-by-problem p-value must be below this in every seed
 DEFAULT_MERGE_METHODS = ("task_arithmetic", "ties")
 # What tuning maximises: the validation mean over tasks of one of the evaluation's results.
@@ -327,7 +330,8 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
                                          router if name == "darts" else None)
         if headline and vectors is not None and "darts" in variants:
             results |= _coefficient_variants(plan, variants["darts"], vectors, merged, sides, experts, ctx, tracking)
-        methods[method] = {"merged": str(merged_dir), "variants": results, **({"tuning": trials} if tuned_here else {})}
+        methods[method] = {"merged": str(merged_dir), "variants": results, "claims": claims(results),
+                           "paired": paired_tests(results), **({"tuning": trials} if tuned_here else {})}
         del merged, sides
         gc.collect()
     plot = plot_ablation_bias({m: r["variants"] for m, r in methods.items()},
@@ -342,10 +346,10 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         "headline_merge_method": plan.merge_methods[0],
         "seeds": plan.seeds,
         "variants": headline_variants,
-        "claims": claims(headline_variants),
-        "paired": paired_tests(headline_variants),
+        "claims": methods[plan.merge_methods[0]]["claims"],
+        "paired": methods[plan.merge_methods[0]]["paired"],
         "merge_methods": methods,
-        **({"claims_across_merges": claims(everyone, keep=_across_merges),
+        **({"claims_across_merges": claims(everyone, ACROSS_MERGES, keep=_across_merges),
             "paired_across_merges": {key: test for key, test in paired_tests(everyone).items()
                                      if _across_merges(*key.split(" vs "))}} if len(methods) > 1 else {}),
         "router": router_report,
@@ -532,14 +536,15 @@ def _across_merges(a: str, b: str) -> bool:
     return a.split("/")[0] != b.split("/")[0]
 
 
-def claims(variants: Mapping[str, Mapping[str, object]], metrics: Sequence[str] = COMPARED,
+def claims(variants: Mapping[str, Mapping[str, object]], metrics: Mapping[str, int] = COMPARED,
            keep: Callable[[str, str], bool] = lambda a, b: True) -> list[str]:
     """"A beats B on M" for every pair of variants whose mean paired difference over seeds (seed i against
-    seed i; an untrained variant's one result against each) exceeds two standard deviations of the differences,
+    seed i; an untrained variant's one result against each; signed so that better is positive, `metrics[M]`)
+    exceeds two standard deviations of the differences,
     and, for a score, whose problem-by-problem test (McNemar, pooled over tasks) gives p < 0.05 in every seed
     with more wins than losses. Nothing with one seed: a spread needs two. `keep(a, b)`: which pairs to compare."""
     found = []
-    for metric in metrics:
+    for metric, better in metrics.items():
         values = {name: [run["overall"].get(metric) for run in variant["seed_runs"]] for name, variant in variants.items()}
         values = {name: v for name, v in values.items() if v and None not in v}
         seeds = max(map(len, values.values()), default=0)
@@ -549,7 +554,7 @@ def claims(variants: Mapping[str, Mapping[str, object]], metrics: Sequence[str] 
         for a, b in itertools.permutations(paired, 2):
             if not keep(a, b):
                 continue
-            differences = [x - y for x, y in zip(paired[a], paired[b])]
+            differences = [better * (x - y) for x, y in zip(paired[a], paired[b])]
             mean, sd = statistics.fmean(differences), statistics.stdev(differences)
             if mean <= 0 or mean <= 2 * sd:
                 continue
@@ -593,9 +598,12 @@ def ablation_tables(report: Mapping[str, object]) -> list[tuple[str, list[str], 
             for task, values in variant["tasks"].items():
                 task_rows.append([method, name, task, *(format_value(k, values.get(k)) for k in TASK_COLUMNS)])
     seeds = report.get("seeds", 1)
-    claimed = [[claim] for claim in [*report.get("claims", []), *report.get("claims_across_merges", [])]] or [[
-        "none: one seed gives no spread" if seeds < 2 else "none beyond two standard deviations"]]
-    tests = {**report.get("paired", {}), **report.get("paired_across_merges", {})}
+    methods = report["merge_methods"]
+    claimed = [[method, claim] for method, result in methods.items() for claim in result.get("claims", [])]
+    claimed += [["across merges", claim] for claim in report.get("claims_across_merges", [])]
+    claimed = claimed or [["-", "none: one seed gives no spread" if seeds < 2 else "none beyond two standard deviations"]]
+    tests = {**{(f"{method}: {key}" if len(methods) > 1 else key): test for method, result in methods.items()
+                for key, test in result.get("paired", {}).items()}, **report.get("paired_across_merges", {})}
     paired_rows = [[key, ", ".join(f"{c['wins']}/{c['losses']}" for c in test["seeds"]),
                     f"{test['pvalue_max']:.3g}", *(", ".join(f"{c['wins']}/{c['losses']} p {c['pvalue']:.2g}"
                                                              for c in per_seed) for per_seed in test["tasks"].values())]
@@ -607,7 +615,8 @@ def ablation_tables(report: Mapping[str, object]) -> list[tuple[str, list[str], 
         ("ablation, held-out, per task (mean over seeds)", ["merge", "variant", "task", *TASK_COLUMNS.values()],
          task_rows),
         ("ablation: differences beyond two standard deviations over seeds (scores: and McNemar p < 0.05 in every "
-         "seed)", ["claim"], claimed),
+         "seed); within a merge its gaps closed, across merges the held-out NLL and score", ["merge", "claim"],
+         claimed),
         *([("ablation: problem by problem, A vs B (wins/losses of A per seed, pooled over tasks; McNemar's exact "
             "test, the largest p over seeds; then per task)", ["A vs B", "wins/losses", "p (max)", *task_names],
             paired_rows)] if paired_rows else []),

@@ -288,11 +288,11 @@ def test_a_score_claim_needs_the_seed_spread_and_mcnemar_in_every_seed() -> None
     assert test["tasks"]["math"][1] == {"wins": 10, "losses": 0, "pvalue": pytest.approx(2 * 0.5**10)}
     assert test["pvalue_max"] == pytest.approx(2 * 0.5**15) and test["wins_every_seed"]
     assert mcnemar(few, merged)["pvalue_max"] == pytest.approx(0.25)
-    found = claims(variants, ["score_gap_closed"])
+    found = claims(variants, {"score_gap_closed": 1})
     assert [c.split(" on ")[0] for c in found] == ["strong beats merged", "strong beats few"]
     assert "McNemar p ≤" in found[0]
     assert set(paired_tests(variants)) == {"merged vs strong", "merged vs few", "strong vs few"}
-    assert claims(variants, ["score_gap_closed"], keep=lambda a, b: b == "few") == [found[1]]
+    assert claims(variants, {"score_gap_closed": 1}, keep=lambda a, b: b == "few") == [found[1]]
 
 
 def test_variants_can_be_chosen() -> None:
@@ -312,3 +312,15 @@ def test_each_merge_method_gets_settings_it_takes() -> None:
     back = _merge_config(_config(merge={"method": "regmean", "others": {"method": "linear", "parameters": {
         "weight": 2.0}}}), "ties").merge
     assert (back.method, back.parameters, back.others) == ("ties", {"weight": 2.0}, None)
+
+
+def test_across_merges_a_lower_nll_wins_and_gaps_are_not_compared() -> None:
+    from darts_dist.ablation import ACROSS_MERGES, claims
+
+    def variant(*nlls: float) -> dict:
+        return {"seed_runs": [{"overall": {"nll_corrected": nll, "nll_gap_closed": 0.0}} for nll in nlls]}
+
+    variants = {"ta/darts": variant(0.38, 0.381, 0.383), "regmean/darts": variant(0.352, 0.352, 0.351)}
+    found = claims(variants, ACROSS_MERGES)
+    assert [c.split(":")[0] for c in found] == ["regmean/darts beats ta/darts on nll_corrected"]
+    assert "0.0297" in found[0] or "0.03" in found[0]

@@ -202,10 +202,10 @@ def test_claims_need_a_difference_beyond_two_standard_deviations() -> None:
                 "c": variant(0.60, 0.61, 0.62)}
     assert variants["a"]["overall"]["nll_gap_closed"] == pytest.approx(0.91)
     assert variants["a"]["overall_sd"]["nll_gap_closed"] == pytest.approx(0.01)
-    found = claims(variants, ["nll_gap_closed"])
+    found = claims(variants, {"nll_gap_closed": 1})
     assert any(c.startswith("a beats c") for c in found) and any(c.startswith("a beats merged") for c in found)
     assert not any(c.startswith(("a beats b", "b beats a", "b beats c")) for c in found)  # b's spread is too wide
-    assert claims({"a": variant(0.9), "c": variant(0.1)}, ["nll_gap_closed"]) == []  # one seed: no spread
+    assert claims({"a": variant(0.9), "c": variant(0.1)}, {"nll_gap_closed": 1}) == []  # one seed: no spread
 
 
 @pytest.mark.slow
