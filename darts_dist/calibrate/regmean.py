@@ -33,6 +33,7 @@ from darts_dist.core.regmean import GramRecorder, solve
 from darts_dist.core.regmean import contribution as linear_contribution
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, atomic_file
+from darts_dist.logs import show_progress_logs
 from darts_dist.memory import PeakMemory
 from darts_dist.merge import REGMEAN, build_mergekit_config, merge_into
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
@@ -46,6 +47,7 @@ class GramCollector:
     linear's share of RegMean's normal equations (fp32 on the CPU: the driver sums them in float64)."""
 
     def __init__(self, model_path: str, dtype: str, device: str) -> None:
+        show_progress_logs()  # on Ray this actor's own process: its lines reach the driver's console
         self.device = resolve_device(device)
         self.memory = PeakMemory(self.device)
         self.model = load_causal_lm(Path(model_path), dtype=model_dtype(dtype, self.device), device=self.device)
@@ -54,11 +56,16 @@ class GramCollector:
 
     def accumulate(self, data: TokenizedSet, batch_size: int, progress: bool = True) -> dict[str, int]:
         """Every row of `data` through the expert; its token count and this collector's peak memory so far."""
+        batches = list(data.batches(batch_size))
+        marks = {len(batches) * quarter // 4 for quarter in (1, 2, 3)}  # a line at each quarter: Ray shows no bars
         with self.recorder.recording(self.model):
-            for batch in tqdm(list(data.batches(batch_size)), desc=f"regmean grams {data.task}", unit="batch",
-                              disable=not progress):
+            for done, batch in enumerate(tqdm(batches, desc=f"regmean grams {data.task}", unit="batch",
+                                              disable=not progress), 1):
                 self.recorder.run(self.model, batch["input_ids"].to(self.device),
                                   batch["attention_mask"].to(self.device))
+                if done in marks:
+                    logger.info("regmean grams %s: %d/%d batches", data.task, done, len(batches))
+        logger.info("regmean grams %s: %d rows, %d tokens", data.task, len(data), self.recorder.tokens)
         return {"tokens": self.recorder.tokens, "peak_memory": self.memory.peak()}
 
     def shapes(self) -> dict[str, tuple[int, int]]:

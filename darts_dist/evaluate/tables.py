@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from darts_dist.evaluate.statistics import gap_closed
+
 SCORE_KEYS = ("score_base", "score_expert", "score_merged", "score_corrected", "score_routed")
 OVERALL_KEYS = (
     "bias_before", "bias_after", "bias_reduction", "weighted_bias_reduction", "late_bias_reduction",
@@ -14,11 +16,17 @@ OVERALL_KEYS = (
 
 def overall(tasks: Mapping[str, Mapping[str, object]]) -> dict[str, float | None]:
     """Unweighted mean over tasks, so every task counts the same whatever its length (scores: over scored tasks;
-    their intervals and tests come from the problems, `task_scores.overall_score_fields`)."""
+    their intervals and tests come from the problems, `task_scores.overall_score_fields`). The NLL gap closed is
+    the ratio of the mean NLLs, as the score's is of the mean scores: a mean of per-task ratios would let a task
+    whose merge is already within a hair of its expert (a gap of 0.0005) swing it by hundreds of points."""
     summary: dict[str, float | None] = {}
     for key in OVERALL_KEYS:
         values = [t[key] for t in tasks.values() if t.get(key) is not None]
         summary[key] = sum(values) / len(values) if values else None
+    nll = [summary[f"nll_{model}"] for model in ("expert", "merged", "corrected")]
+    if summary["nll_gap_closed"] is not None and None not in nll:
+        expert, merged, corrected = nll
+        summary["nll_gap_closed"] = gap_closed(-expert, -merged, -corrected)  # lower is better
     return summary
 
 
