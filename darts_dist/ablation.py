@@ -248,7 +248,7 @@ def tune(
     for name in ("surgery", "darts"):
         features = variant_features(sides.features, VARIANTS[name](settings))
         best[name], rows = tune_variant(name, VARIANTS[name], plan.config, plan.trials, plan.select, features,
-                                        merged_dir, ctx.dtype, ctx.evaluator, sides.pairs, tracking)
+                                        merged_dir, ctx.evaluator, sides.pairs, tracking)
         trials += [row | {"settings": _knobs(row["settings"])} for row in rows]
     variants = plan.built(best["darts"])
     if "surgery" in variants:

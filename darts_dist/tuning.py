@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 from ray import tune
 from ray.air.integrations.mlflow import MLflowLoggerCallback
 from ray.tune.search.optuna import OptunaSearch
@@ -28,7 +28,7 @@ from darts_dist.calibrate.ray.remote import ray_session
 from darts_dist.config import CalibrationSection, RunConfig, TaskCalibration, updated
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
-from darts_dist.sources.models import load_causal_lm
+from darts_dist.sources.models import load_causal_lm, model_dtype, resolve_device
 from darts_dist.tracking.runs import STAGE_TAG, Tracking
 
 logger = logging.getLogger(__name__)
@@ -76,12 +76,11 @@ def trial_settings(settings: CalibrationSection, params: Mapping[str, object], t
 
 def _trial(params: dict[str, object], *, settings: CalibrationSection, tasks: Sequence[str],
            variant: Callable[[CalibrationSection], CalibrationSection], select: str, features: list[TaskFeatures],
-           merged_dir: Path, dtype: torch.dtype, evaluator: Evaluator,
-           pairs: list[tuple[ExpertSide, MergedSide]]) -> None:
+           merged_dir: Path, evaluator: Evaluator, pairs: list[tuple[ExpertSide, MergedSide]]) -> None:
     """One Tune trial: train the variant at `params`, report its validation results (the selected one first)."""
     chosen = trial_settings(settings, params, tasks, variant)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
+    device = resolve_device(settings.device)  # "auto" inside the trial: a GPU where Tune gave it one
+    merged = load_causal_lm(merged_dir, dtype=model_dtype(settings.dtype, device), device=device)
     result = train_corrections(features, chosen, merged, progress=False)
     validation = evaluator.evaluate(merged, result.corrections.to(device), pairs, split="validation")
     value = validation["overall"].get(select)
@@ -89,6 +88,27 @@ def _trial(params: dict[str, object], *, settings: CalibrationSection, tasks: Se
                if isinstance(value, (int, float)) and not isinstance(value, bool)}
     tune.report({select: -math.inf if value is None else value, **numbers,
                  "final_loss": result.losses[-1]})
+
+
+@contextmanager
+def _mlflow_uris_kept() -> Iterator[None]:
+    """MLflow's process-wide tracking and registry URIs (and their environment variables) as they were before:
+    Ray Tune's MLflowLoggerCallback sets them with mlflow.set_tracking_uri, which would send every later
+    fluent MLflow call of this process (the registry's log_model) to the tuning's store."""
+    from mlflow.tracking._model_registry import utils as registry_uri
+    from mlflow.tracking._tracking_service import utils as tracking_uri
+
+    names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+    saved = tracking_uri._tracking_uri, registry_uri._registry_uri, {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        tracking_uri._tracking_uri, registry_uri._registry_uri = saved[0], saved[1]
+        for name, value in saved[2].items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _mlflow(tracking: Tracking | None, name: str) -> list[MLflowLoggerCallback]:
@@ -102,20 +122,19 @@ def _mlflow(tracking: Tracking | None, name: str) -> list[MLflowLoggerCallback]:
 
 def tune_variant(
     name: str, variant: Callable[[CalibrationSection], CalibrationSection], config: RunConfig, trials: int,
-    select: str, features: list[TaskFeatures], merged_dir: Path, dtype: torch.dtype, evaluator: Evaluator,
+    select: str, features: list[TaskFeatures], merged_dir: Path, evaluator: Evaluator,
     pairs: list[tuple[ExpertSide, MergedSide]], tracking: Tracking | None = None,
 ) -> tuple[CalibrationSection, list[dict[str, object]]]:
     """Tune one variant with `trials` trials; its best settings and every trial's (in the order they ran)."""
     settings, tasks, darts = config.calibration, list(config.tasks), name == "darts"
     trainable = tune.with_parameters(_trial, settings=settings, tasks=tasks, variant=variant, select=select,
-                                     features=features, merged_dir=merged_dir, dtype=dtype, evaluator=evaluator,
-                                     pairs=pairs)
+                                     features=features, merged_dir=merged_dir, evaluator=evaluator, pairs=pairs)
     cluster = config.cluster
     resources = {"cpu": cluster.cpus_per_worker, "gpu": 1.0 if cluster.use_gpu else 0.0}
     searcher = OptunaSearch(metric=select, mode="max", seed=settings.seed,
                             points_to_evaluate=[own_point(settings, tasks, darts)])
     address = cluster.address or os.environ.get("RAY_ADDRESS")
-    with ray_session(address, {"num_cpus": os.cpu_count() or 1}):
+    with ray_session(address, {"num_cpus": os.cpu_count() or 1}), _mlflow_uris_kept():
         tuner = tune.Tuner(
             tune.with_resources(trainable, resources),
             param_space=search_space(settings, tasks, darts),
@@ -128,8 +147,14 @@ def tune_variant(
     if len(failed) == len(grid):
         raise DartsError(f"every {name} tuning trial failed; the first: {failed[0]}",
                          "fix the error above (its trial's log is under the run folder's ablation/tune)")
+    for error in failed:
+        logger.warning("tune %s: a trial failed (left out): %s", name, error)
+    # Trial ids are random: the config's own trial first, then the others in the order they reported.
+    own = own_point(settings, tasks, darts)
+    finished = sorted((r for r in grid if r.error is None),
+                      key=lambda r: (r.config != own, r.metrics.get("timestamp", 0)))
     rows = []
-    for number, result in enumerate(sorted((r for r in grid if r.error is None), key=lambda r: r.metrics["trial_id"])):
+    for number, result in enumerate(finished):
         chosen = trial_settings(settings, result.config, tasks, variant)
         rows.append({"trial": number, "variant": name, "settings": chosen, select: result.metrics[select],
                      "overall": {key.removeprefix("validation."): value for key, value in result.metrics.items()

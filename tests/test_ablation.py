@@ -162,8 +162,15 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
         return [True] * len(problems)
 
     monkeypatch.setattr(evaluator, "routed_passes", planted_routed_passes)
+    import mlflow
+
     assert main(["ablate", str(path), "--merge-methods", "task_arithmetic,ties", "--tune", "2", "--seeds", "2",
                  "--report", str(report_path)]) == 0
+    # Ray Tune's MLflow callback pinned the process-wide URI to the tuning's store; it is put back, so MLflow
+    # follows MLFLOW_TRACKING_URI again (else every later fluent call of the process, the registry's log_model,
+    # would go to the tuning's store).
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/elsewhere.db")
+    assert mlflow.get_tracking_uri() == f"sqlite:///{tmp_path}/elsewhere.db"
     report = json.loads(report_path.read_text())
     assert list(report["merge_methods"]) == ["task_arithmetic", "ties"]
     assert report["variants"] == report["merge_methods"]["task_arithmetic"]["variants"]
