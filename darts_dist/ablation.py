@@ -80,9 +80,11 @@ VARIANTS: dict[str, Callable[[CalibrationSection], CalibrationSection | None]] =
     "position": lambda settings: _with_position(_no_entropy(settings)),  # the position bias alone
     "darts": lambda settings: settings,
 }
-# Variants of the headline merge only, built at run time: deep DARTS needs the model's layers, the learned
-# merge coefficients replace the merge itself (they start from the run's task-arithmetic weights).
+# Variants built at run time from DARTS's: deep DARTS (every merge) needs the model's layers; the learned merge
+# coefficients (the headline merge only) replace the merge itself, starting from the run's task-arithmetic weights.
+# Naming COEFFICIENTS runs COEFFICIENTS_DARTS too.
 DEEP, COEFFICIENTS, COEFFICIENTS_DARTS = "deep", "coefficients", "coefficients+darts"
+EXTENDED = (DEEP, COEFFICIENTS)
 DEFAULT_DEEP_LAYERS = ("changed", "final")
 # What `claims` compares and which way is better (+1: higher). Within a merge the gaps closed, which count from
 # that merge; across merges the absolute held-out NLL and score, since each merge's gap counts from itself.
@@ -106,7 +108,8 @@ class AblationPlan:
     select: str = "nll_gap_closed"
     seeds: int = 1
     deep_layers: tuple[object, ...] = DEFAULT_DEEP_LAYERS  # deep DARTS's surgery layers (layer sets allowed)
-    extended: bool = True  # deep DARTS and the learned coefficients too
+    deep: bool = True  # deep DARTS on every merge
+    coefficients: bool = True  # the learned coefficients, alone and with DARTS, on the headline merge
 
     def built(self, settings: CalibrationSection) -> dict[str, CalibrationSection | None]:
         """The plan's variants (by name) made from DARTS's settings `settings`."""
@@ -127,13 +130,18 @@ def plan_ablation(
     """Check the request and derive every variant's settings from the config's calibration section.
 
     merge_methods default: the config's method, then task_arithmetic and TIES; with tuning the
-    validation fraction defaults to the config's, or 0.2 where the config holds none back. `variants`: a
-    subset of VARIANTS' names (default all).
+    validation fraction defaults to the config's, or 0.2 where the config holds none back. `variants`: names
+    from VARIANTS and EXTENDED (default: all, or VARIANTS' alone where `extended` is False).
     """
-    names = tuple(variants) if variants else tuple(VARIANTS)
-    if set(names) - set(VARIANTS) or len(set(names)) != len(names):
-        raise DartsError(f"variants {list(names)}: unknown or repeated {sorted(set(names) - set(VARIANTS)) or 'names'}",
-                         f"name each once, from {list(VARIANTS)}")
+    known = (*VARIANTS, *EXTENDED)
+    chosen = tuple(variants) if variants else (known if extended else tuple(VARIANTS))
+    if set(chosen) - set(known) or len(set(chosen)) != len(chosen):
+        raise DartsError(f"variants {list(chosen)}: unknown or repeated {sorted(set(chosen) - set(known)) or 'names'}",
+                         f"name each once, from {list(known)}")
+    if set(chosen) & set(EXTENDED) and "darts" not in chosen:
+        raise DartsError(f"variants {list(chosen)}: deep DARTS and the learned coefficients start from DARTS's "
+                         "settings", "add darts to the variants")
+    names = tuple(name for name in chosen if name in VARIANTS)
     methods = tuple(merge_methods) if merge_methods else tuple(dict.fromkeys((config.merge.method, *DEFAULT_MERGE_METHODS)))
     if config.merge.mergekit_yaml is not None:
         raise DartsError(f"the ablation merges with each of {list(methods)}, but merge.mergekit_yaml fixes one merge",
@@ -162,7 +170,7 @@ def plan_ablation(
     config = updated(config, calibration=updated(settings, validation_fraction=fraction))
     settings = config.calibration
     return AblationPlan(config, methods, {name: VARIANTS[name](settings) for name in names}, trials, select,
-                        seeds, tuple(deep_layers), extended)
+                        seeds, tuple(deep_layers), DEEP in chosen, COEFFICIENTS in chosen)
 
 
 # --- execution --------------------------------------------------------------------------------
@@ -294,7 +302,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
     ctx = Context(config, sources, evaluator, device, model_dtype(settings.dtype, device), progress)
     deep_layers, vectors = None, None
     needed = set(settings.loss_layers())
-    if plan.extended:
+    if plan.deep or plan.coefficients:
         vectors = read_task_vectors(sources.base, sources.experts).to(device)
         num_layers = vectors.num_layers
         deep_layers = concrete_layers(plan.deep_layers, num_layers, vectors.changed_layers)
@@ -302,7 +310,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         config = updated(config, calibration=updated(settings, coefficients=updated(settings.coefficients,
                                                                                     layers=aligned)))
         ctx.config = config
-        needed |= {*deep_layers, *fit_layers(aligned, num_layers)}
+        needed |= {*(deep_layers if plan.deep else ()), *(fit_layers(aligned, num_layers) if plan.coefficients else ())}
     layers = [*sorted(k for k in needed if isinstance(k, int)), *(["final"] if "final" in needed else [])]
     base_passes = base_scores(evaluator, sources.base, ctx.dtype, device)
     experts = [task_side(index, ctx, plan.trials > 0, base_passes.get(task), layers)
@@ -322,13 +330,13 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         if tuned_here:  # on the headline merge; the others reuse its winners, so merges compare at equal settings
             variants, trials = tune(plan, merged_dir, sides, ctx, tracking)
         here = dict(variants)
-        if headline and deep_layers is not None and "darts" in variants:
+        if plan.deep:
             here[DEEP] = updated(variants["darts"], layers=deep_layers)
         results = {}
         for name, variant in here.items():
             results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking, plan.seeds,
                                          router if name == "darts" else None)
-        if headline and vectors is not None and "darts" in variants:
+        if headline and plan.coefficients:
             results |= _coefficient_variants(plan, variants["darts"], vectors, merged, sides, experts, ctx, tracking)
         methods[method] = {"merged": str(merged_dir), "variants": results, "claims": claims(results),
                            "paired": paired_tests(results), **({"tuning": trials} if tuned_here else {})}

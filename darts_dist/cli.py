@@ -546,8 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--basic", action="store_true",
                        help="only merged, Surgery, +entropy, +position and DARTS (no deep DARTS, no learned coefficients)")
         p.add_argument("--variants", default=None, metavar="V1,V2",
-                       help="only these of merged, surgery, entropy, position, darts (default all; deep DARTS and "
-                       "the learned coefficients need darts)")
+                       help="only these of merged, surgery, entropy, position, darts, deep, coefficients (default "
+                       "all; deep DARTS and the learned coefficients need darts)")
     sweep = command("merge-sweep", "score candidate merges on the validation split and name the best", cmd_merge_sweep)
     sweep.add_argument("config", type=Path)
     sweep.add_argument("--candidates", nargs="+", default=None, metavar="METHOD[:K=V,...]",

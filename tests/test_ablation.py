@@ -176,9 +176,9 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
     assert report["variants"] == report["merge_methods"]["task_arithmetic"]["variants"]
     keys = {"bias_reduction", "weighted_bias_reduction", "late_bias_reduction", "nll_gap_closed"}
     basic = ["merged", "surgery", "entropy", "position", "darts"]
-    # Deep DARTS and the learned coefficients (alone and with DARTS) on the headline merge only.
+    # Deep DARTS on every merge, the learned coefficients (alone and with DARTS) on the headline merge only.
     assert list(report["variants"]) == [*basic, "deep", "coefficients", "coefficients+darts"]
-    assert list(report["merge_methods"]["ties"]["variants"]) == basic
+    assert list(report["merge_methods"]["ties"]["variants"]) == [*basic, "deep"]
     assert report["variants"]["deep"]["settings"]["layers"] == [2, 3, "final"]  # the tiny experts' layers
     learned = Path(report["variants"]["coefficients"]["seed_runs"][1]["coefficients"]["learned_merge"])
     assert (learned / "mergekit_config.yml").is_file()
@@ -305,8 +305,14 @@ def test_a_score_claim_needs_the_seed_spread_and_mcnemar_in_every_seed() -> None
 def test_variants_can_be_chosen() -> None:
     plan = plan_ablation(_config(), variants=["merged", "darts"])
     assert list(plan.variants) == ["merged", "darts"]
+    assert not plan.deep and not plan.coefficients
+    plan = plan_ablation(_config(), variants=["darts", "deep"])
+    assert list(plan.variants) == ["darts"] and plan.deep and not plan.coefficients
+    assert not plan_ablation(_config(), extended=False).deep
     with pytest.raises(DartsError, match="unknown or repeated"):
         plan_ablation(_config(), variants=["merged", "dart"])
+    with pytest.raises(DartsError, match="add darts"):
+        plan_ablation(_config(), variants=["merged", "coefficients"])
 
 
 def test_each_merge_method_gets_settings_it_takes() -> None:
