@@ -28,10 +28,9 @@ with contextlib.redirect_stdout(sys.stderr):
     import deepspeed  # noqa: F401
 
 from darts_dist.config import RunConfig, load_config, packaged_config, updated
-from darts_dist.core import TokenizedSet
 from darts_dist.fsutil import cache_root
-from darts_dist.pipeline import merge_stage
-from darts_dist.sources.data import tokenized
+from darts_dist.merge.stage import merge_stage
+from darts_dist.sources.data import calibration_sets
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources, resolve_sources
 
@@ -92,11 +91,6 @@ def demo_setup(name: str, args: argparse.Namespace, **cluster: object) -> tuple[
         return config, sources, merge_stage(config, sources)
 
 
-def calibration_sets(config: RunConfig, sources: ResolvedSources) -> dict[str, TokenizedSet]:
-    tokenizer = load_tokenizer(sources.base)
-    return {task: tokenized(sources.data[task], task, "calibration", config.calibration, tokenizer) for task in config.tasks}
-
-
 @torch.no_grad()
 def forward_floor(config: RunConfig, sources: ResolvedSources, merged_dir: Path) -> dict[str, float]:
     """Seconds of the bare forward passes calibration needs, in this process, models already loaded (on
@@ -105,7 +99,7 @@ def forward_floor(config: RunConfig, sources: ResolvedSources, merged_dir: Path)
     settings = config.calibration
     device = resolve_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
-    data = calibration_sets(config, sources)
+    data = calibration_sets(config, sources.data, load_tokenizer(sources.base))
     batches = {
         task: [(b["input_ids"].to(device), b["attention_mask"].to(device)) for b in rows.batches(settings.batch_size)]
         for task, rows in data.items()

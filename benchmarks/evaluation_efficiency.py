@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from common import demo_setup, emit, note, parser
 
-from darts_dist.calibrate.corrections import save_corrections_for
 from darts_dist.calibrate.loop import build_corrections
 from darts_dist.config import RunConfig, updated
 from darts_dist.evaluate.evaluator import Evaluator
+from darts_dist.evaluate.stage import evaluate_stage
 from darts_dist.evaluate.task_scores import canonical_set, completions
 from darts_dist.generation import CorrectedLM
-from darts_dist.pipeline import evaluate_stage
+from darts_dist.sources.corrections import save_corrections_for
 from darts_dist.sources.data import tokenized
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, read_model_info, resolve_device
 from darts_dist.sources.output_cache import OutputCache

@@ -38,7 +38,7 @@ from common import PeakMemory, allocate_live_bytes_only, emit, note
 
 from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
 from darts_dist.config import parse_config
-from darts_dist.pipeline import merge_stage
+from darts_dist.merge.stage import merge_stage
 from darts_dist.plan import build_plan
 from darts_dist.sources.demo.tasks import DEMO_TASKS, long_texts
 from darts_dist.sources.demo.tiny import THIN_SHAPES, TinyFamily

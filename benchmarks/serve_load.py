@@ -566,9 +566,8 @@ def fit_demo_router(config, sources, merged_dir):
     import torch
     from serve_overhead import task_prompts
 
-    from darts_dist.calibrate.features import prompt_features
     from darts_dist.calibrate.router import fit_router
-    from darts_dist.core import ROUTER_FILE
+    from darts_dist.core import ROUTER_FILE, prompt_features
     from darts_dist.fsutil import cache_root
     from darts_dist.generation import CorrectedLM
 

@@ -13,21 +13,22 @@ from __future__ import annotations
 import time
 
 import torch
-from common import calibration_sets, demo_setup, emit, note, parser
+from common import demo_setup, emit, note, parser
 
-from darts_dist.calibrate.features import expert_targets, merged_hidden
+from darts_dist.calibrate.features import expert_targets
 from darts_dist.calibrate.loop import build_corrections, calibration_loss
 from darts_dist.calibrate.ray.job import job_plan, run_calibration_job
 from darts_dist.config import RunConfig
-from darts_dist.core import mask_positions
-from darts_dist.sources.models import load_causal_lm
+from darts_dist.core import mask_positions, merged_hidden
+from darts_dist.sources.data import calibration_sets
+from darts_dist.sources.models import load_causal_lm, load_tokenizer
 from darts_dist.sources.references import ResolvedSources
 
 
 def naive_loop(config: RunConfig, sources: ResolvedSources, merged_dir) -> list[float]:
     """Surgery's loop: per step and task, the expert's and the merged model's forward on the minibatch, then Adam."""
     settings = config.calibration
-    data = calibration_sets(config, sources)
+    data = calibration_sets(config, sources.data, load_tokenizer(sources.base))
     tasks = list(data)
     experts = {task: load_causal_lm(sources.experts[task]) for task in tasks}
     merged = load_causal_lm(merged_dir)

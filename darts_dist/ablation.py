@@ -34,22 +34,29 @@ import torch
 from pydantic import ValidationError
 from transformers import PreTrainedModel
 
-from darts_dist.calibrate.coefficients import fit_coefficients, fit_layers, initial_coefficients, learned_merge, read_task_vectors
-from darts_dist.calibrate.corrections import save_corrections_for
-from darts_dist.calibrate.features import TaskFeatures, collect_features, collect_merged, features_only
+from darts_dist.calibrate.coefficients import (
+    fit_coefficients,
+    fit_layers,
+    initial_coefficients,
+    learned_merge,
+    read_task_vectors,
+)
+from darts_dist.calibrate.features import TaskFeatures, collect_features, collect_merged
 from darts_dist.calibrate.layers import concrete_layers, with_concrete_layers
 from darts_dist.calibrate.loop import train_corrections
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import CalibrationSection, RunConfig, updated
-from darts_dist.core import LayerKey, TaskRouter, TaskVectors, TokenizedSet
+from darts_dist.core import LayerKey, TaskRouter, TaskVectors, TokenizedSet, features_only
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
 from darts_dist.evaluate.plots import plot_ablation_bias
+from darts_dist.evaluate.stage import base_scores
 from darts_dist.evaluate.statistics import paired_comparison, passes_of
 from darts_dist.evaluate.tables import format_value
-from darts_dist.merge import REGMEAN
-from darts_dist.merge import merge_methods as known_merge_methods
-from darts_dist.pipeline import base_scores, merge_stage
+from darts_dist.merge.mergekit import REGMEAN
+from darts_dist.merge.mergekit import merge_methods as known_merge_methods
+from darts_dist.merge.stage import merge_stage
+from darts_dist.sources.corrections import save_corrections_for
 from darts_dist.sources.data import tokenized
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources, resolve_sources

@@ -100,7 +100,7 @@ def _print_registration(state: RunState) -> None:
 def cmd_validate(args: argparse.Namespace) -> None:
     data = read_yaml(args.config)
     if is_mergekit_yaml(data):
-        from darts_dist.merge import load_mergekit_yaml
+        from darts_dist.merge.mergekit import load_mergekit_yaml
 
         load_mergekit_yaml(args.config)
         console.print(f"{args.config}: valid mergekit YAML")
@@ -110,7 +110,7 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 
 def cmd_merge(args: argparse.Namespace) -> None:
-    from darts_dist.merge import REGMEAN, load_mergekit_yaml, mergekit_model_paths, run_merge
+    from darts_dist.merge.mergekit import load_mergekit_yaml, mergekit_model_paths, run_merge
     from darts_dist.tracking.runs import log_config, log_merge
 
     if args.out.exists() and not args.overwrite:
@@ -126,20 +126,15 @@ def cmd_merge(args: argparse.Namespace) -> None:
     with _session(settings, name, "merge") as tracking:
         if config is None:
             sources = {f"model_{i}": path for i, path in enumerate(mergekit_model_paths(mergekit_config))}
+            out = run_merge(mergekit_config, args.out, overwrite=args.overwrite)
         else:
-            from darts_dist.pipeline import mergekit_config_for
+            from darts_dist.merge.stage import merged_into
             from darts_dist.sources.references import resolve_sources
 
             log_config(tracking, config)
             resolved = resolve_sources(config)
             sources = {"base": resolved.base, **resolved.experts}
-        if config is not None and config.merge.method == REGMEAN:  # from the calibration rows, not mergekit alone
-            from darts_dist.calibrate.regmean import regmean_merge
-
-            out, _ = regmean_merge(config, resolved, out_dir=args.out)
-        else:
-            out = run_merge(mergekit_config if config is None else mergekit_config_for(config, resolved), args.out,
-                            overwrite=args.overwrite)
+            out = merged_into(config, resolved, args.out, overwrite=args.overwrite)
         log_merge(tracking, out, sources)
     console.print(f"merged model: {out}")
     if args.report:
@@ -354,9 +349,9 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from darts_dist.plan.check import check_serving
     from darts_dist.serve.access import resolve_api_key
     from darts_dist.serve.app import run_foreground
-    from darts_dist.plan.check import check_serving
     from darts_dist.serve.model import resolve_model, serve_settings
 
     api_key = resolve_api_key(args.api_key, args.api_key_file)
@@ -368,9 +363,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_serve_deploy(args: argparse.Namespace) -> None:
+    from darts_dist.plan.check import check_serving
     from darts_dist.serve.access import resolve_api_key
     from darts_dist.serve.app import follows, start
-    from darts_dist.plan.check import check_serving
     from darts_dist.serve.model import resolve_model, serve_settings
 
     api_key = resolve_api_key(args.api_key, args.api_key_file)

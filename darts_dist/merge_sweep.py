@@ -19,8 +19,8 @@ from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import format_value
 from darts_dist.evaluate.task_scores import Problem, Scorer, problem_passes, score_fields, scorer_named
 from darts_dist.generation import CorrectedLM
-from darts_dist.merge import REGMEAN, merge_methods
-from darts_dist.pipeline import merge_stage
+from darts_dist.merge.mergekit import REGMEAN, merge_methods
+from darts_dist.merge.stage import merge_stage
 from darts_dist.sources.data import split_rows
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources, resolve_sources

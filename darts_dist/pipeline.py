@@ -7,39 +7,25 @@ and the Ray job entry points are thin glue around these functions. With an MLflo
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import yaml
 
 from darts_dist.calibrate.coefficients import COEFFICIENTS_FILE, fit_in_process, learned_merge
-from darts_dist.calibrate.in_process import CalibrationOutcome, calibrate_stage
+from darts_dist.calibrate.in_process import calibrate_stage
 from darts_dist.calibrate.layers import with_concrete_layers
+from darts_dist.calibrate.outcome import CalibrationOutcome
 from darts_dist.calibrate.ray.job import calibrate_distributed, fit_coefficients_distributed
-from darts_dist.calibrate.ray.placement import placement_tags
-from darts_dist.calibrate.regmean import regmean_merge
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import RUN_CONFIG_FILE, RunConfig
 from darts_dist.core import ROUTER_FILE, read_header
-from darts_dist.errors import DartsError
-from darts_dist.evaluate.evaluator import (
-    Evaluator,
-    ExpertSide,
-    MergedSide,
-    judged_artifacts,
-    scores_base,
-)
-from darts_dist.evaluate.on_ray import evaluate_on_ray, uses_ray
-from darts_dist.plan.check import driver_holds_evaluation
 from darts_dist.evaluate.plots import (
     plot_bias_by_position,
     plot_coefficients,
@@ -47,14 +33,13 @@ from darts_dist.evaluate.plots import (
     plot_loss,
     plot_task_scores,
 )
+from darts_dist.evaluate.stage import evaluate_stage
 from darts_dist.fsutil import atomic_file
 from darts_dist.memory import PeakMemory
-from darts_dist.merge import REGMEAN, build_mergekit_config, load_mergekit_yaml, run_merge
+from darts_dist.merge.stage import merge_stage
+from darts_dist.plan.check import driver_holds_evaluation
+from darts_dist.ray_cluster.placement import placement_tags
 from darts_dist.sources.models import (
-    load_causal_lm,
-    load_tokenizer,
-    model_dtype,
-    non_finite_tensors,
     resolve_device,
 )
 from darts_dist.sources.output_cache import OutputCache
@@ -78,108 +63,6 @@ from darts_dist.tracking.runs import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def mergekit_config_for(config: RunConfig, sources: ResolvedSources) -> dict:
-    """The mergekit YAML this run merges with: the user's own file as it is, or one built from `merge`."""
-    if config.merge.mergekit_yaml is not None:
-        return load_mergekit_yaml(config.merge.mergekit_yaml)
-    return build_mergekit_config(
-        base=sources.base,
-        experts=sources.experts,
-        method=config.merge.method,
-        parameters=config.merge.parameters,
-        expert_parameters={e.task: e.merge_parameters for e in config.sources.experts if e.merge_parameters},
-        dtype=config.merge.dtype,
-    )
-
-
-def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:
-    """Merge into `config.merged_dir` by mergekit, or by RegMean (merge.method regmean: calibrate.regmean); an
-    identical earlier merge is reused."""
-    if config.merge.method == REGMEAN:
-        merged, fresh = regmean_merge(config, sources)
-        return _finite(merged, sources) if fresh else merged
-    mergekit_config = mergekit_config_for(config, sources)
-    out_dir = config.merged_dir
-    written = out_dir / "mergekit_config.yml"
-    if written.is_file() and yaml.safe_load(written.read_text()) == mergekit_config:
-        logger.info("merge: reusing %s (same mergekit config)", out_dir)
-        return out_dir
-    return _finite(run_merge(mergekit_config, out_dir, overwrite=True), sources)
-
-
-def _finite(merged: Path, sources: ResolvedSources) -> Path:
-    """The merge, unless it has NaN or inf weights (passed through from a source: they would poison every later
-    number); then it is removed and the source named."""
-    bad = non_finite_tensors(merged)
-    if bad:
-        shutil.rmtree(merged)
-        if not any(merged.parent.iterdir()):  # the run folder this merge started
-            merged.parent.rmdir()
-        culprits = {role: non_finite_tensors(path, limit=1)
-                    for role, path in {"base": sources.base, **sources.experts}.items()}
-        named = "; ".join(f"{role}: {found[0]}" for role, found in culprits.items() if found) or "none of them alone"
-        raise DartsError(f"the merged model has NaN or infinite weights ({', '.join(bad)}); from the sources: {named}",
-                         "replace the source model named above with a finite copy of its weights")
-    return merged
-
-
-def base_scores(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, list[bool] | None]:
-    """The base model's task-score answers (when asked for), the base loaded alone and let go after."""
-    if not evaluator.scores_base:
-        return {}
-    base = load_causal_lm(base_dir, dtype=dtype, device=device)
-    passes = evaluator.base_passes(base, evaluator.identity(base_dir, dtype, device))
-    del base
-    gc.collect()
-    return passes
-
-
-def evaluate_stage(
-    config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None,
-    router_path: Path | None = None, cache: OutputCache | None = None, memory: dict[str, int] | None = None,
-) -> dict[str, object]:
-    """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert (and routed, with a router).
-
-    The corrections apply to config.model_dir: the merged model, or the learned merge, which is then judged
-    (with its corrections, if any) against the merged model it started from. The base's, experts' and merged
-    model's passes go through the output cache (`cache`, or the cache folder's; none with evaluation.cache off).
-    On Ray, `memory` gets each evaluation actor's peak memory, by model.
-    """
-    settings = config.calibration
-    missing = [t for t in config.tasks if sources.data[t].heldout is None]
-    if missing:
-        raise DartsError(f"tasks {missing} have no held-out data to evaluate on",
-                         "set sources.experts[...].data.heldout for each task")
-    if uses_ray(config):
-        result = evaluate_on_ray(config, sources.data, sources.base, sources.experts, merged_dir, corrections_path,
-                                 router_path, scores_base(config, sources.data), cache,
-                                 driver_holds_models=lambda: driver_holds_evaluation(config), memory=memory)
-        if result is not None:  # None: `auto` found no room for an actor per model
-            return result
-    device = resolve_device(settings.device)
-    dtype = model_dtype(settings.dtype, device)
-    corrections, router, model_dir = judged_artifacts(config, merged_dir, corrections_path, router_path)
-    corrections = None if corrections is None else corrections.to(device)
-    evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), cache=cache)
-    base_passes = base_scores(evaluator, sources.base, dtype, device)
-    merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
-    merged_identity = evaluator.identity(merged_dir, dtype, device)
-
-    def sides() -> Iterator[tuple[ExpertSide, MergedSide]]:
-        # One task at a time, its expert let go before the next: peak memory is the merged model, one expert
-        # and one task's passes.
-        for index, task in enumerate(config.tasks):
-            expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-            side = evaluator.expert_side(index, expert, base_passes=base_passes.get(task),
-                                         identity=evaluator.identity(sources.experts[task], dtype, device))
-            del expert
-            gc.collect()
-            yield side, evaluator.merged_side(merged, index, identity=merged_identity)
-
-    candidate = None if model_dir == merged_dir else load_causal_lm(model_dir, dtype=dtype, device=device)
-    return evaluator.evaluate(merged, corrections, sides(), router=router, candidate=candidate)
 
 
 def write_report(path: Path, report: dict[str, object]) -> Path:
@@ -408,7 +291,8 @@ def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, objec
     cache = OutputCache()
     with state.timed("evaluation"):
         memory: dict[str, int] = {}
-        evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router, cache, memory)
+        evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router, cache, memory,
+                                    driver_holds_models=lambda: driver_holds_evaluation(state.config))
     if memory:  # each evaluation actor's peak memory: what the plan's evaluation roles hold, measured
         state.report["evaluation_memory"] = memory
     state.report["variants"] = {"darts": evaluation}
@@ -454,7 +338,7 @@ def register_calibration(state: RunState) -> Registration | None:
     args = (tracking.uri, run_id, Path(state.report["model"]), corrections, config.tasks[0],
             Path(state.report["router"]["path"]))
     if config.models_on_gpus:  # MLflow's check of the logged model loads it: on a GPU, not on the driver
-        from darts_dist.calibrate.ray.remote import run_as_expert
+        from darts_dist.ray_cluster.remote import run_as_expert
 
         logged = run_as_expert(config.cluster, "the logged model's check", log_pyfunc_model, *args)
     else:

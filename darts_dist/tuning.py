@@ -24,10 +24,10 @@ from ray.tune.search.optuna import OptunaSearch
 
 from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.loop import train_corrections
-from darts_dist.calibrate.ray.remote import ray_session
 from darts_dist.config import CalibrationSection, RunConfig, TaskCalibration, updated
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
+from darts_dist.ray_cluster.remote import ray_session
 from darts_dist.sources.models import load_causal_lm, model_dtype, resolve_device
 from darts_dist.tracking.runs import STAGE_TAG, Tracking
 

@@ -9,12 +9,11 @@ import pytest
 import yaml
 
 from darts_dist.ablation import VARIANTS, plan_ablation
-from darts_dist.calibrate.features import prompt_features
 from darts_dist.calibrate.loop import build_corrections
 from darts_dist.calibrate.router import task_prompts
 from darts_dist.cli import main
 from darts_dist.config import parse_config
-from darts_dist.core import TaskRouter
+from darts_dist.core import TaskRouter, prompt_features
 from darts_dist.errors import DartsError
 from darts_dist.evaluate import evaluator
 from darts_dist.sources.data import calibration_split, load_rows

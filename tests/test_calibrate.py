@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from darts_dist.calibrate.features import collect_features, features_only
+from darts_dist.calibrate.features import collect_features
 from darts_dist.calibrate.loop import build_corrections, calibrate_in_process, calibration_loss
 from darts_dist.config import CalibrationSection
-from darts_dist.core import attach_corrections, capture_hidden, entropy_weights, next_token_entropy
+from darts_dist.core import attach_corrections, capture_hidden, entropy_weights, features_only, next_token_entropy
 from darts_dist.sources.data import tokenize_rows
 from darts_dist.sources.models import load_causal_lm
 from darts_dist.sources.references import demo_data

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from darts_dist.calibrate.ray.placement import custom_resources, job_bundles
 from darts_dist.config import load_config, parse_config
 from darts_dist.plan.cluster import unplaced
+from darts_dist.ray_cluster.placement import custom_resources, job_bundles
 
 REPO = Path(__file__).absolute().parent.parent
 JOB_COMMANDS = ("merge", "calibrate", "recalibrate", "evaluate", "register", "serve-deploy")

@@ -30,7 +30,7 @@ from darts_dist.config import CalibrationSection, parse_config
 from darts_dist.core import LayerwiseMerge, TokenizedSet, attach_corrections, capture_hidden, one_hot_tasks, run_from
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
-from darts_dist.merge import run_merge
+from darts_dist.merge.mergekit import run_merge
 from darts_dist.run_folder import read_run_folder
 from darts_dist.sources.data import TaskFiles, tokenized
 from darts_dist.sources.models import load_causal_lm, load_tokenizer

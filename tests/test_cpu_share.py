@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from darts_dist.calibrate.ray.cpu_share import CpuShare, ForwardTurn, cpu_share, per_node, training_threads
 from darts_dist.config import ClusterSection
+from darts_dist.ray_cluster.cpu_share import CpuShare, ForwardTurn, cpu_share, per_node, training_threads
 
 
 def test_the_rule_shares_the_cores_and_takes_turns_only_when_asked():

@@ -14,8 +14,6 @@ import pytest
 import torch
 
 from darts_dist.calibrate.coefficients import fit_in_process
-from darts_dist.calibrate.features import prompt_features
-from darts_dist.calibrate.corrections import corrections_metadata
 from darts_dist.calibrate.in_process import calibrate_stage
 from darts_dist.calibrate.ray import job as job_module
 from darts_dist.calibrate.ray.job import (
@@ -30,9 +28,10 @@ from darts_dist.calibrate.ray.job import (
 from darts_dist.calibrate.ray.stream import arrivals
 from darts_dist.calibrate.router import task_prompts
 from darts_dist.config import parse_config
-from darts_dist.core import load_corrections, save_corrections
+from darts_dist.core import load_corrections, prompt_features, save_corrections
 from darts_dist.errors import DartsError
-from darts_dist.pipeline import evaluate_stage
+from darts_dist.evaluate.stage import evaluate_stage
+from darts_dist.sources.corrections import corrections_metadata
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 from darts_dist.sources.references import demo_data, resolve_sources
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from darts_dist.calibrate.corrections import save_corrections_for
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import parse_config
 from darts_dist.core import CorrectionSpec, DartsCorrections
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.on_ray import uses_ray
-from darts_dist.pipeline import evaluate_stage
+from darts_dist.evaluate.stage import evaluate_stage
+from darts_dist.sources.corrections import save_corrections_for
 from darts_dist.sources.output_cache import OutputCache
 from darts_dist.sources.references import resolve_sources
 

@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).absolute().parent.parent / "darts_dist"
 LAYERS = {
     "darts_dist": 0, "darts_dist.core": 0, "darts_dist.config": 0, "darts_dist.errors": 0, "darts_dist.fsutil": 0,
     "darts_dist.logs": 0, "darts_dist.fanin": 0, "darts_dist.memory": 0, "darts_dist.options": 0, "darts_dist.run_folder": 0,
+    "darts_dist.ray_cluster": 0,
     "darts_dist.sources": 1,
     "darts_dist.merge": 2,
     "darts_dist.calibrate": 3,
@@ -75,6 +76,22 @@ def test_no_layer_imports_a_later_one() -> None:
     upward = sorted(f"{source} -> {target}" for source, targets in imports().items() for target in targets
                     if layer(target) > layer(source))
     assert upward == []
+
+
+# Rooms apart beyond the order of layers: serving (the Serve app, the corrected model it runs) needs nothing of
+# calibration, and evaluation reaches the cluster through ray_cluster, not through calibration's Ray job.
+FORBIDDEN = {"darts_dist.serve": "darts_dist.calibrate", "darts_dist.generation": "darts_dist.calibrate",
+             "darts_dist.evaluate": "darts_dist.calibrate.ray"}
+
+
+def within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_serving_and_evaluation_keep_out_of_calibrations_rooms() -> None:
+    crossing = sorted(f"{source} -> {target}" for source, targets in imports().items() for target in targets
+                      for room, kept_out in FORBIDDEN.items() if within(source, room) and within(target, kept_out))
+    assert crossing == []
 
 
 def test_only_sources_import_the_demo() -> None:

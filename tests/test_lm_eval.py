@@ -18,16 +18,15 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from test_generation import TASKS, strong_corrections
 
-from darts_dist.calibrate.corrections import corrections_metadata
-from darts_dist.calibrate.features import prompt_features
 from darts_dist.calibrate.router import fit_router
 from darts_dist.config import EvaluationSection
-from darts_dist.core import ROUTED, ROUTER_FILE, save_corrections
+from darts_dist.core import ROUTED, ROUTER_FILE, prompt_features, save_corrections
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.lm_eval_model import DartsLM
 from darts_dist.evaluate.lm_eval_tasks import HELDOUT_SPLIT, TASKS_DIR, heldout_dataset, process_results
 from darts_dist.evaluate.task_scores import SCORERS, problem_passes
 from darts_dist.generation import CorrectedLM
+from darts_dist.sources.corrections import corrections_metadata
 from darts_dist.sources.demo.tasks import DEMO_SCORERS, DEMO_TASKS
 from darts_dist.sources.references import demo_data
 

@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from darts_dist.errors import DartsError
-from darts_dist.merge import (
+from darts_dist.merge.mergekit import (
     build_mergekit_config,
     load_mergekit_yaml,
     merge_methods,
@@ -155,7 +155,7 @@ def test_a_bug_inside_the_merge_is_not_reported_as_bad_input(tiny_family, tmp_pa
     def broken(*args, **kwargs):
         raise AttributeError("a bug, not a bad input")
 
-    monkeypatch.setattr("darts_dist.merge.mergekit_run_merge", broken)
+    monkeypatch.setattr("darts_dist.merge.mergekit.mergekit_run_merge", broken)
     config = build_mergekit_config(tiny_family.base, {"code": tiny_family.experts["code"]}, "task_arithmetic",
                                    parameters={"weight": 0.5})
     with pytest.raises(AttributeError, match="a bug"):

@@ -8,15 +8,15 @@ import time
 import pytest
 import ray
 
-from darts_dist.calibrate.ray.placement import (
+from darts_dist.config import ClusterSection
+from darts_dist.errors import DartsError
+from darts_dist.ray_cluster.placement import (
     custom_resources,
     expert_actor_options,
     job_bundles,
     placement_tags,
     wait_for_resources,
 )
-from darts_dist.config import ClusterSection
-from darts_dist.errors import DartsError
 
 
 def test_bundles_follow_the_config() -> None:

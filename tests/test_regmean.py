@@ -11,12 +11,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from darts_dist.calibrate.regmean import regmean_merge
 from darts_dist.cli import main
 from darts_dist.config import REGMEAN_RECORD, parse_config, updated
 from darts_dist.core.regmean import GramRecorder, merge_linear, reduced
 from darts_dist.errors import DartsError
-from darts_dist.merge import merge_methods, run_merge
+from darts_dist.merge.mergekit import merge_methods, run_merge
+from darts_dist.merge.regmean import regmean_merge
 from darts_dist.sources.models import load_causal_lm
 from darts_dist.sources.references import resolve_sources
 
@@ -97,10 +97,10 @@ def _config(tiny_family, tmp_path: Path, tasks=("code", "math"), **merge: object
 
 def _expected(tiny_family, config, sources) -> dict[str, torch.Tensor]:
     """Each linear's RegMean merge from Grams recorded here, expert by expert: what the merge must hold."""
-    from darts_dist.calibrate.in_process import calibration_sets
+    from darts_dist.sources.data import calibration_sets
     from darts_dist.sources.models import load_tokenizer
 
-    sets = calibration_sets(config, sources, load_tokenizer(sources.base))
+    sets = calibration_sets(config, sources.data, load_tokenizer(sources.base))
     grams, weights = {}, {}
     for task in config.tasks:
         model, recorder = load_causal_lm(sources.experts[task]), GramRecorder()

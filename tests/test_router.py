@@ -12,12 +12,11 @@ import yaml
 from test_generation import PROMPTS, TASKS, strong_corrections
 
 import darts_dist.calibrate.router as router_module
-from darts_dist.calibrate.features import merged_hidden, prompt_features, row_prompt_features
-from darts_dist.calibrate.in_process import router_tasks
+from darts_dist.calibrate.outcome import router_tasks
 from darts_dist.calibrate.router import fit_router, fit_run_router, task_prompts
 from darts_dist.cli import main
 from darts_dist.config import EvaluationSection, TrackingSection, load_config, updated
-from darts_dist.core import ROUTED, TaskRouter, TokenizedSet
+from darts_dist.core import ROUTED, TaskRouter, TokenizedSet, merged_hidden, prompt_features, row_prompt_features
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
 from darts_dist.sources.data import TaskFiles, tokenized

@@ -25,14 +25,13 @@ from ray.serve.deployment import Application
 from ray.serve.schema import ServeDeploySchema
 from test_generation import PROMPTS, TASKS, strong_corrections
 
-from darts_dist.calibrate.corrections import corrections_metadata
-from darts_dist.calibrate.features import prompt_features
 from darts_dist.calibrate.router import fit_router
 from darts_dist.config import ServeSection, parse_config
-from darts_dist.core import ROUTED, save_corrections
+from darts_dist.core import ROUTED, prompt_features, save_corrections
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
 from darts_dist.serve.model import resolve_model, serve_settings
+from darts_dist.sources.corrections import corrections_metadata
 from darts_dist.tracking.registry import DECISIVE_METRIC, log_pyfunc_model, register_version
 from darts_dist.tracking.runs import connect, environment, experiment_id
 

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from serving import free_port, serve_process, stops_cleanly
 from test_generation import strong_corrections
 
-from darts_dist.calibrate.corrections import corrections_metadata
 from darts_dist.core import save_corrections
+from darts_dist.sources.corrections import corrections_metadata
 from darts_dist.sources.models import encode_prompt, encode_user_chat, encode_user_prompt, load_tokenizer
 
 pytestmark = pytest.mark.slow  # a serving process

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from darts_dist.config import DataSpec, EvaluationSection, parse_config
-from darts_dist.calibrate.features import prompt_features
-from darts_dist.core import ROUTED, CorrectionSpec, DartsCorrections, TaskRouter, attach_corrections
+from darts_dist.core import ROUTED, CorrectionSpec, DartsCorrections, TaskRouter, attach_corrections, prompt_features
 from darts_dist.errors import DartsError
 from darts_dist.evaluate import task_scores
 from darts_dist.evaluate.evaluator import Evaluator

@@ -31,7 +31,6 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from darts_dist.calibrate.features import TaskFeatures, collect_features
-from darts_dist.calibrate.in_process import calibration_sets
 from darts_dist.calibrate.loop import StepCallback, step_minibatches
 from darts_dist.config import CalibrationSection, RunConfig
 from darts_dist.core import (
@@ -50,7 +49,8 @@ from darts_dist.core import (
 )
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_file
-from darts_dist.merge import build_mergekit_config, run_merge
+from darts_dist.merge.mergekit import build_mergekit_config, run_merge
+from darts_dist.sources.data import calibration_sets
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, read_model_info, resolve_device
 from darts_dist.sources.references import ResolvedSources
 
@@ -334,7 +334,7 @@ def fit_in_process(
                 len(vectors.experts), len(vectors.deltas), len(vectors.changed_layers()), vectors.nbytes() / 2**20)
     layers = fit_layers(settings.coefficients.layers, vectors.num_layers)
     features = []
-    for index, (task, data) in enumerate(calibration_sets(config, sources, load_tokenizer(sources.base)).items()):
+    for index, (task, data) in enumerate(calibration_sets(config, sources.data, load_tokenizer(sources.base)).items()):
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
         features.append(collect_features(task, index, data, expert, None, layers, settings.batch_size, progress))
         del expert

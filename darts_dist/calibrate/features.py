@@ -1,7 +1,8 @@
-"""Calibration features: expert targets h^k with entropy H, merged states h^m, pooled prompt features.
+"""Calibration features: expert targets h^k with entropy H and merged states h^m, per task.
 
-The in-process loop, the Ray expert actors and workers, evaluation and the router all compute
-them with these functions. Imports stay torch-only: serving pools prompts with `prompt_features`.
+The in-process loop and the Ray expert actors and workers compute them with these functions; the merged
+states and the router's pooled prompt features, which serving computes too, are core's (`core.hooks`,
+`core.router`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from darts_dist.core import (
     TokenizedSet,
     capture_hidden,
     mask_positions,
+    merged_hidden,
     next_token_entropy,
-    pool_prompts,
-    prompt_mask,
-    token_batch,
 )
 
 
@@ -34,46 +33,6 @@ def expert_targets(
     with capture_hidden(model, layers) as hidden:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
     return dict(hidden), next_token_entropy(logits)
-
-
-@torch.no_grad()
-def merged_hidden(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
-) -> dict[LayerKey, torch.Tensor]:
-    """The merged model's uncorrected hidden states h^m at the given layers."""
-    with capture_hidden(model, layers) as hidden:
-        model.model(input_ids=input_ids, attention_mask=attention_mask)
-    return {k: v.float() for k, v in hidden.items()}
-
-
-@torch.no_grad()
-def prompt_features(
-    model: PreTrainedModel, prompts: Sequence[Sequence[int]], layer: LayerKey, pad_id: int, batch_size: int = 8
-) -> torch.Tensor:
-    """Each prompt's mean hidden state over its tokens at `layer`, [N, d] fp32 on the CPU (the router's input).
-
-    Right padding: every prompt keeps positions 0..n−1 and its causal attention never sees the pads,
-    so a prompt's features do not depend on what it was batched with.
-    """
-    device = next(model.parameters()).device
-    pooled = []
-    for start in range(0, len(prompts), batch_size):
-        input_ids, mask = token_batch(prompts[start:start + batch_size], pad_id)
-        hidden = merged_hidden(model, input_ids.to(device), mask.to(device), [layer])[layer].cpu()
-        pooled.append(pool_prompts(hidden, mask))
-    return torch.cat(pooled)
-
-
-def row_prompt_features(
-    hidden: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's features of calibration rows, from the merged states calibration computes anyway: each
-    row's mean state over its prompt part (core.prompt_mask), [n, d] fp32 on the CPU, and which of the B rows
-    have a prompt part ([B] bool). For a row with a prompt/response boundary these are `prompt_features` of
-    its prompt (the same tokens, and causal attention never sees the response)."""
-    mask = prompt_mask(attention_mask.to(hidden.device), response_mask.to(hidden.device))
-    has_prompt = mask.any(dim=1)
-    return pool_prompts(hidden, mask)[has_prompt].cpu(), has_prompt.cpu()
 
 
 @dataclass
@@ -139,16 +98,6 @@ def with_start_hidden(features: TaskFeatures, model: PreTrainedModel, start: int
                                [start - 1])
         chunks.append(hidden[start - 1].cpu())
     return replace(features, start_hidden=torch.cat(chunks))
-
-
-def features_only(layers: Sequence[LayerKey]) -> bool:
-    """With surgery only at the final representation, training never needs the merged model again."""
-    return list(layers) == ["final"]
-
-
-def first_decoder_layer(layers: Sequence[LayerKey]) -> int:
-    """The lowest corrected decoder layer (training runs the model from there); 0 with none."""
-    return min((k for k in layers if isinstance(k, int)), default=0)
 
 
 def _pad_cat(chunks: list[torch.Tensor], length: int) -> torch.Tensor:

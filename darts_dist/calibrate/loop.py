@@ -15,13 +15,15 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from darts_dist.calibrate.features import TaskFeatures, features_only, first_decoder_layer, with_start_hidden
+from darts_dist.calibrate.features import TaskFeatures, with_start_hidden
 from darts_dist.config import CalibrationSection
 from darts_dist.core import (
     CorrectionSpec,
     DartsCorrections,
     attach_corrections,
     entropy_weights,
+    features_only,
+    first_decoder_layer,
     one_hot_tasks,
     run_from,
     weighted_l1_loss,

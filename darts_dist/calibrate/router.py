@@ -13,9 +13,8 @@ from sklearn.preprocessing import StandardScaler
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from darts_dist.calibrate.features import prompt_features
 from darts_dist.config import RunConfig
-from darts_dist.core import ROUTER_FILE, LayerKey, TaskRouter
+from darts_dist.core import ROUTER_FILE, LayerKey, TaskRouter, prompt_features
 from darts_dist.errors import DartsError
 from darts_dist.sources.data import TaskFiles, detect_format, prompts_of, split_rows
 from darts_dist.sources.models import (
@@ -149,7 +148,7 @@ def fit_run_router(
     calibration_features = {task: pooled for task, pooled in (calibration_features or {}).items() if len(pooled)}
     args = (config, data, merged_dir, layer, calibration_features)
     if config.models_on_gpus and model is None:
-        from darts_dist.calibrate.ray.remote import run_as_expert
+        from darts_dist.ray_cluster.remote import run_as_expert
 
         labelled, counts = run_as_expert(config.cluster, "the router's merged model", router_features, *args)
     else:

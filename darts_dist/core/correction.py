@@ -228,3 +228,13 @@ def expected_parameter_count(spec: CorrectionSpec, num_layers: int) -> int:
     else:
         per_table = T * d
     return num_layers * (K * 2 * r * d + spec.position_tables * per_table)
+
+
+def features_only(layers: Sequence[LayerKey]) -> bool:
+    """With surgery only at the final representation, training never needs the merged model again."""
+    return list(layers) == ["final"]
+
+
+def first_decoder_layer(layers: Sequence[LayerKey]) -> int:
+    """The lowest corrected decoder layer (training runs the model from there); 0 with none."""
+    return min((k for k in layers if isinstance(k, int)), default=0)

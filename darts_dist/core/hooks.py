@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .correction import DartsCorrections, mask_positions, one_hot_tasks, parse_layer
+from .correction import DartsCorrections, LayerKey, mask_positions, one_hot_tasks, parse_layer
 
 # Where Llama-style (layers, norm), GPT-2-style (h, ln_f) and OPT-style decoders keep their parts.
 _LAYER_LISTS = ("layers", "h", "blocks")
@@ -293,3 +293,13 @@ def fed_inputs(model: nn.Module, inputs: Mapping[str | int, Tensor]) -> Iterator
     finally:
         for hook in hooks:
             hook.remove()
+
+
+@torch.no_grad()
+def merged_hidden(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
+) -> dict[LayerKey, torch.Tensor]:
+    """The merged model's uncorrected hidden states h^m at the given layers."""
+    with capture_hidden(model, layers) as hidden:
+        model.model(input_ids=input_ids, attention_mask=attention_mask)
+    return {k: v.float() for k, v in hidden.items()}

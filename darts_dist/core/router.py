@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from darts_dist.core.batching import token_batch
 from darts_dist.core.correction import LayerKey
+from darts_dist.core.hooks import merged_hidden
 from darts_dist.core.io import read_tagged_header, read_tagged_tensors, write_tagged
 from darts_dist.errors import DartsError
 
@@ -112,3 +114,33 @@ def prompt_mask(attention_mask: Tensor, response_mask: Tensor) -> Tensor:
     features without a pass over the prompt alone. Rows with no prompt (plain text, captured traffic) get none.
     """
     return attention_mask.bool() & (response_mask.long().cumsum(dim=1) == 0)
+
+
+@torch.no_grad()
+def prompt_features(
+    model: nn.Module, prompts: Sequence[Sequence[int]], layer: LayerKey, pad_id: int, batch_size: int = 8
+) -> torch.Tensor:
+    """Each prompt's mean hidden state over its tokens at `layer`, [N, d] fp32 on the CPU (the router's input).
+
+    Right padding: every prompt keeps positions 0..n−1 and its causal attention never sees the pads,
+    so a prompt's features do not depend on what it was batched with.
+    """
+    device = next(model.parameters()).device
+    pooled = []
+    for start in range(0, len(prompts), batch_size):
+        input_ids, mask = token_batch(prompts[start:start + batch_size], pad_id)
+        hidden = merged_hidden(model, input_ids.to(device), mask.to(device), [layer])[layer].cpu()
+        pooled.append(pool_prompts(hidden, mask))
+    return torch.cat(pooled)
+
+
+def row_prompt_features(
+    hidden: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's features of calibration rows, from the merged states calibration computes anyway: each
+    row's mean state over its prompt part (core.prompt_mask), [n, d] fp32 on the CPU, and which of the B rows
+    have a prompt part ([B] bool). For a row with a prompt/response boundary these are `prompt_features` of
+    its prompt (the same tokens, and causal attention never sees the response)."""
+    mask = prompt_mask(attention_mask.to(hidden.device), response_mask.to(hidden.device))
+    has_prompt = mask.any(dim=1)
+    return pool_prompts(hidden, mask)[has_prompt].cpu(), has_prompt.cpu()

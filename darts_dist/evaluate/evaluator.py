@@ -20,7 +20,6 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.config import RunConfig
 from darts_dist.core import DartsCorrections, TaskRouter, TokenizedSet
 from darts_dist.evaluate.passes import Outputs, Reference, TaskTally, corrected_outputs, merged_outputs, reference
@@ -38,6 +37,7 @@ from darts_dist.evaluate.task_scores import (
     scorer_named,
 )
 from darts_dist.generation import CorrectedLM
+from darts_dist.sources.corrections import load_corrections_for
 from darts_dist.sources.data import TaskFiles, tokenized
 from darts_dist.sources.models import model_identity
 from darts_dist.sources.output_cache import OutputCache, digest

@@ -5,7 +5,7 @@ Every actor runs the one evaluator (the passes in-process evaluation runs, model
 output cache), so the numbers are the in-process ones; only where the work runs changes. Each actor takes an
 expert actor's resources (`cluster.expert_resources`; a GPU each with `cluster.use_gpu`), so on a GPU cluster
 the stage takes the slowest model's passes instead of their sum. On CPU nodes the actors split the cores
-(calibrate.ray.cpu_share's concurrent share), which gains nothing over one process using them all: hence
+(ray_cluster.cpu_share's concurrent share), which gains nothing over one process using them all: hence
 `evaluation.executor: auto` evaluates on Ray only on GPU clusters.
 """
 
@@ -23,13 +23,13 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from darts_dist.calibrate.ray.cpu_share import cpu_share, node_cores, per_node
-from darts_dist.calibrate.ray.placement import alive_nodes, expert_actor_options, expert_bundle
-from darts_dist.calibrate.ray.remote import expert_cluster, get_or_raise, ray_session
 from darts_dist.config import RunConfig
 from darts_dist.errors import DartsError
-from darts_dist.memory import PeakMemory
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, judged_artifacts
+from darts_dist.memory import PeakMemory
+from darts_dist.ray_cluster.cpu_share import cpu_share, node_cores, per_node
+from darts_dist.ray_cluster.placement import alive_nodes, expert_actor_options, expert_bundle
+from darts_dist.ray_cluster.remote import expert_cluster, get_or_raise, ray_session
 from darts_dist.sources.data import TaskFiles
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.output_cache import OutputCache

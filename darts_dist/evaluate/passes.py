@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from darts_dist.calibrate.features import features_only
 from darts_dist.core import (
     BucketMeans,
     DartsCorrections,
@@ -23,6 +22,7 @@ from darts_dist.core import (
     attach_corrections,
     capture_hidden,
     entropy_weights,
+    features_only,
     mask_positions,
     next_token_entropy,
     token_bias,

@@ -14,9 +14,9 @@ from darts_dist.core.modeling_darts import AUTO_MAP, CODE_FILES, MERGED, ROUTED,
 from darts_dist.errors import DartsError
 from darts_dist.export.model_card import correction_card, model_card
 from darts_dist.export.source import ExportSource
-from darts_dist.calibrate.corrections import load_corrections_for
 from darts_dist.export.weights import INDEX_FILE, copy_weights, weight_files
 from darts_dist.fsutil import atomic_dir
+from darts_dist.sources.corrections import load_corrections_for
 
 Format = Literal["hf", "correction"]
 FORMATS: tuple[str, ...] = ("hf", "correction")

@@ -16,15 +16,29 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from darts_dist.calibrate.corrections import load_corrections_for
-from darts_dist.calibrate.features import prompt_features
-from darts_dist.core import (ROUTED, DartsCorrections, TaskRouter, attach_corrections, one_hot_tasks, token_batch,
-                             token_nll)
+from darts_dist.core import (
+    ROUTED,
+    DartsCorrections,
+    TaskRouter,
+    attach_corrections,
+    one_hot_tasks,
+    prompt_features,
+    token_batch,
+    token_nll,
+)
 from darts_dist.errors import DartsError
 from darts_dist.generation.engine import ContinuousBatcher, Event, Finished, Listener, Sampling, SequenceRequest
 from darts_dist.generation.text import Completion
-from darts_dist.sources.models import (chat_prompt, encode_prompt, encode_user_chat, encode_user_prompt, load_causal_lm,
-                                       load_tokenizer, pad_id)
+from darts_dist.sources.corrections import load_corrections_for
+from darts_dist.sources.models import (
+    chat_prompt,
+    encode_prompt,
+    encode_user_chat,
+    encode_user_prompt,
+    load_causal_lm,
+    load_tokenizer,
+    pad_id,
+)
 
 # The task index of a routed sequence until the router has decided (−1 is no correction, 0..K−1 a task).
 _ROUTE = -2

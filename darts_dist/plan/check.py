@@ -47,7 +47,7 @@ def launch_nodes(address: str | None, roles: Sequence[Role]) -> tuple[list[dict[
     import ray
 
     if ray.is_initialized():
-        from darts_dist.calibrate.ray.placement import alive_nodes
+        from darts_dist.ray_cluster.placement import alive_nodes
 
         return [dict(node["Resources"]) for node in alive_nodes()], "the Ray cluster this process joined"
     if address:

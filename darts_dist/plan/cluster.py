@@ -9,9 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from darts_dist.calibrate.ray.placement import Bundle, alive_nodes
 from darts_dist.errors import DartsError
 from darts_dist.plan.roles import Role
+from darts_dist.ray_cluster.placement import Bundle, alive_nodes
 
 GIB = 1 << 30
 # Memory of one GPU by Ray's accelerator type (the largest variant where a type comes in several).

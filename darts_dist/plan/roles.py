@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from darts_dist.calibrate.layers import concrete_layers
-from darts_dist.calibrate.ray.placement import Bundle, expert_bundle, worker_bundle
 from darts_dist.config import RunConfig, ServeSection
 from darts_dist.core import CorrectionSpec, expected_parameter_count
 from darts_dist.evaluate.on_ray import uses_ray
-from darts_dist.merge import REGMEAN
+from darts_dist.merge.mergekit import REGMEAN
 from darts_dist.plan.shapes import ModelShape
+from darts_dist.ray_cluster.placement import Bundle, expert_bundle, worker_bundle
 
 TOKEN_ROW_BYTES = 17  # input ids and attention mask (int64) and the response mask (bool) of a token
 ADAM_BYTES = 16  # per trained parameter: fp32 value, gradient, two moments

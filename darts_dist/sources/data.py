@@ -19,7 +19,7 @@ import json
 import logging
 import tempfile
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal
 import datasets
 from datasets.exceptions import DatasetGenerationError
 
-from darts_dist.config import CalibrationSection
+from darts_dist.config import CalibrationSection, RunConfig
 from darts_dist.core import TokenizedSet
 from darts_dist.errors import DartsError
 from darts_dist.sources.models import encode_prompt, encode_user_chat, encode_user_prompt, pad_id
@@ -92,6 +92,17 @@ def tokenized(
     rows = split_rows(files, split, settings, limit=settings.num_samples - len(traffic))
     return tokenize_rows(rows, tokenizer, task, max_length=settings.max_length, fmt=files.format,
                          text_field=files.text_field, traffic=traffic)
+
+
+def calibration_sets(config: RunConfig, data: Mapping[str, TaskFiles], tokenizer) -> dict[str, TokenizedSet]:
+    """Every task's calibration set, tokenised; samples cut to `max_length` are said, once per task."""
+    sets = {task: tokenized(data[task], task, "calibration", config.calibration, tokenizer)
+            for task in config.tasks}
+    for task, rows in sets.items():
+        if rows.num_truncated:
+            logger.info("calibrate: %d %s samples cut to max_length=%d", rows.num_truncated, task,
+                        config.calibration.max_length)
+    return sets
 
 
 def served_ids(tokenizer: PreTrainedTokenizerBase, row: dict) -> list[int]:

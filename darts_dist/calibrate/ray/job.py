@@ -36,21 +36,9 @@ from darts_dist.calibrate.coefficients import (
     fit_layers,
     initial_coefficients,
 )
-from darts_dist.calibrate.corrections import save_corrections_for
 from darts_dist.calibrate.features import TaskFeatures
-from darts_dist.calibrate.in_process import CalibrationOutcome, calibration_sets, router_tasks, token_weights
 from darts_dist.calibrate.loop import CalibrationResult, StepCallback
-from darts_dist.calibrate.ray.cpu_share import per_node
-from darts_dist.calibrate.ray.placement import (
-    alive_nodes,
-    custom_resources,
-    job_bundles,
-    node_table,
-    placement_tags,
-    wait_for_resources,
-    worker_bundle,
-)
-from darts_dist.calibrate.ray.remote import ray_session, run_as_expert
+from darts_dist.calibrate.outcome import CalibrationOutcome, router_tasks, token_weights
 from darts_dist.calibrate.ray.stream import ExactlyOnceSplit, expert_stream
 from darts_dist.calibrate.ray.window import StreamWindow, window_tokens
 from darts_dist.calibrate.ray.worker import (
@@ -60,9 +48,21 @@ from darts_dist.calibrate.ray.worker import (
     train_loop_per_worker,
 )
 from darts_dist.config import CORRECTIONS_FILE, CalibrationSection, ClusterSection, RunConfig, updated
-from darts_dist.core import DartsCorrections, TokenizedSet, load_corrections, mask_positions
+from darts_dist.core import DartsCorrections, TokenizedSet, load_corrections, mask_positions, parse_layer
 from darts_dist.errors import DartsError
-from darts_dist.core import parse_layer
+from darts_dist.ray_cluster.cpu_share import per_node
+from darts_dist.ray_cluster.placement import (
+    alive_nodes,
+    custom_resources,
+    job_bundles,
+    node_table,
+    placement_tags,
+    wait_for_resources,
+    worker_bundle,
+)
+from darts_dist.ray_cluster.remote import ray_session, run_as_expert
+from darts_dist.sources.corrections import save_corrections_for
+from darts_dist.sources.data import calibration_sets
 from darts_dist.sources.models import content_hash, load_tokenizer, read_model_info
 from darts_dist.sources.references import ResolvedSources
 
@@ -412,7 +412,7 @@ def job_plan(
     """The job for a validated config: calibration sets tokenised as the in-process stage does. With `init`, a
     merge coefficients' fit from there (merged_dir is then the base); its run id is its own (`-coefficients`
     after a configured cluster.run_id), so it never resumes a corrections run, nor one from another start."""
-    data = calibration_sets(config, sources, load_tokenizer(sources.base))
+    data = calibration_sets(config, sources.data, load_tokenizer(sources.base))
     cluster = config.cluster
     fit = None if init is None else {"fit": "coefficients", "init": list(init)}
     run_id = cluster.run_id and (cluster.run_id if fit is None else f"{cluster.run_id}-coefficients")

@@ -27,11 +27,11 @@ import ray.data
 import ray.train
 from ray.actor import ActorHandle
 
-from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share
-from darts_dist.calibrate.ray.placement import expert_actor_options, gpu_ids
 from darts_dist.config import CalibrationSection, ClusterSection, CpuSchedule
 from darts_dist.fanin import fan_in
 from darts_dist.memory import PeakMemory
+from darts_dist.ray_cluster.cpu_share import ForwardTurn, cpu_share, node_cores, take_share
+from darts_dist.ray_cluster.placement import expert_actor_options, gpu_ids
 
 if TYPE_CHECKING:
     import torch
@@ -190,7 +190,7 @@ def expert_stream(
 
     The actor runs batches of `settings.batch_size` samples, as the in-process reference does; on a CPU
     node it shares the cores by `cluster.cpu_schedule` with the node's other model-running actors (about
-    `actors_per_node`; calibrate.ray.cpu_share); with a `window` (calibrate.ray.window), each batch waits for
+    `actors_per_node`; ray_cluster.cpu_share); with a `window` (calibrate.ray.window), each batch waits for
     room in its task's window of tokens in flight. Ray
     Data restarts a lost actor and retries the batches it lost (its defaults: max_restarts=-1,
     max_task_retries=-1; a batch that raises is not retried, it fails the run).

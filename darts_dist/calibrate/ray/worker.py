@@ -29,23 +29,26 @@ from ray.actor import ActorHandle
 from torch import nn
 
 from darts_dist.calibrate.coefficients import CoefficientModule, read_task_vectors
-from darts_dist.calibrate.features import (
-    TaskFeatures,
-    features_only,
-    first_decoder_layer,
-    merged_hidden,
-    row_prompt_features,
-)
+from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
-from darts_dist.calibrate.ray.cpu_share import ForwardTurn, cpu_share, node_cores, take_share, training_threads
 from darts_dist.calibrate.ray.feature_store import FeatureStore
-from darts_dist.calibrate.ray.placement import gpu_ids
 from darts_dist.calibrate.ray.stream import arrivals, stored_tokens, target_column, to_wire, token_column
 from darts_dist.config import CalibrationSection
-from darts_dist.core import DartsCorrections, attach_corrections, mask_positions, save_corrections
+from darts_dist.core import (
+    DartsCorrections,
+    attach_corrections,
+    features_only,
+    first_decoder_layer,
+    mask_positions,
+    merged_hidden,
+    row_prompt_features,
+    save_corrections,
+)
 from darts_dist.errors import DartsError
 from darts_dist.logs import show_progress_logs
 from darts_dist.memory import PeakMemory
+from darts_dist.ray_cluster.cpu_share import ForwardTurn, cpu_share, node_cores, take_share, training_threads
+from darts_dist.ray_cluster.placement import gpu_ids
 from darts_dist.sources.models import load_causal_lm, model_dtype
 
 logger = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from ray.exceptions import RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from darts_dist.calibrate.ray.placement import custom_resources, expert_actor_options, expert_bundle
 from darts_dist.config import ClusterSection
 from darts_dist.errors import DartsError
 from darts_dist.logs import init_ray
+from darts_dist.ray_cluster.placement import custom_resources, expert_actor_options, expert_bundle
 
 T = TypeVar("T")
 

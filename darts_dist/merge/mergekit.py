@@ -35,7 +35,7 @@ _TOKENIZER_STRATEGIES = frozenset({"union", "base"})
 _TOKENIZER_SOURCE_KEYS = frozenset({"tokenizer_source", "source"})
 
 
-REGMEAN = "regmean"  # darts-dist's own data-aware merge (calibrate.regmean); mergekit has every other method
+REGMEAN = "regmean"  # darts-dist's own data-aware merge (merge.regmean); mergekit has every other method
 
 
 def mergekit_method_names() -> tuple[str, ...]:

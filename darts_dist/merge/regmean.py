@@ -25,8 +25,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from darts_dist.calibrate.in_process import calibration_sets
-from darts_dist.calibrate.ray.remote import expert_group, get_or_raise
 from darts_dist.config import REGMEAN_RECORD, RunConfig
 from darts_dist.core import TokenizedSet
 from darts_dist.core.regmean import GramRecorder, solve
@@ -35,7 +33,9 @@ from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, atomic_file
 from darts_dist.logs import show_progress_logs
 from darts_dist.memory import PeakMemory
-from darts_dist.merge import REGMEAN, build_mergekit_config, merge_into
+from darts_dist.merge.mergekit import REGMEAN, build_mergekit_config, merge_into
+from darts_dist.ray_cluster.remote import expert_group, get_or_raise
+from darts_dist.sources.data import calibration_sets
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources
 
@@ -191,7 +191,7 @@ def regmean_merge(config: RunConfig, sources: ResolvedSources, out_dir: Path | N
         parameters=others_settings.parameters,
         expert_parameters={e.task: e.merge_parameters for e in config.sources.experts if e.merge_parameters},
         dtype=config.merge.dtype)
-    sets = calibration_sets(config, sources, load_tokenizer(sources.base))
+    sets = calibration_sets(config, sources.data, load_tokenizer(sources.base))
     record = regmean_record(config, sources, others, sets)
     written = out_dir / REGMEAN_RECORD
     if written.is_file() and yaml.safe_load(written.read_text()) == record:

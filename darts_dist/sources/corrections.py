@@ -1,4 +1,5 @@
-"""The corrections file of a calibration: what it records about its merged model, and the checks on loading it."""
+"""A corrections file, written by calibration and read back by evaluation, export and serving: what it records
+about its merged model, and the checks on loading it."""
 
 from __future__ import annotations
 
