@@ -189,7 +189,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
     config = command_config(args.config, args)
     corrections = args.corrections or config.run_dir / CORRECTIONS_FILE
-    if config.calibration.method == "merge_coefficients" and not corrections.is_file():
+    if not config.calibration_method.trains_corrections and not corrections.is_file():
         corrections = None  # the learned merge alone, judged against the run's merge
     elif not corrections.is_file():
         raise DartsError(f"no corrections at {corrections}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -165,13 +166,29 @@ class CoefficientSection(_Section):
 WIDE_HIDDEN_SIZE = 2048  # from here on, hidden states travel in bf16 on CPUs (wire_dtype: auto)
 
 
+@dataclass(frozen=True)
+class CalibrationMethod:
+    """What a calibration.method does: fit merge coefficients first (the corrections, if any, then apply to the
+    learned merge), and train DARTS corrections."""
+
+    fits_coefficients: bool
+    trains_corrections: bool
+
+
+# calibration.method's registry, the one place its names mean something: darts: corrections on the run's merge;
+# merge_coefficients: per-layer task-arithmetic coefficients fitted on the same expert stream, written as a merged
+# model and its mergekit YAML (no corrections); merge_coefficients+darts: DARTS on that learned merge.
+CALIBRATION_METHODS = {
+    "darts": CalibrationMethod(fits_coefficients=False, trains_corrections=True),
+    "merge_coefficients": CalibrationMethod(fits_coefficients=True, trains_corrections=False),
+    "merge_coefficients+darts": CalibrationMethod(fits_coefficients=True, trains_corrections=True),
+}
+
+
 class CalibrationSection(_Section):
     """The DARTS correction and its training (DESIGN.md §1), or learned merge coefficients, or both."""
 
-    # darts: corrections on the run's merge; merge_coefficients: per-layer task-arithmetic coefficients fitted on
-    # the same expert stream, written as a merged model and its mergekit YAML (no corrections);
-    # merge_coefficients+darts: DARTS on that learned merge.
-    method: Literal["darts", "merge_coefficients", "merge_coefficients+darts"] = "darts"
+    method: Literal["darts", "merge_coefficients", "merge_coefficients+darts"] = "darts"  # CALIBRATION_METHODS
     layers: list[Layer] = Field(default_factory=lambda: ["final"], min_length=1)
     # Where the loss is taken: at every corrected layer against the expert's hidden state there (SurgeryV2),
     # or at the last corrected layer only (the layers below trained through the model to serve it).
@@ -285,6 +302,11 @@ class ClusterSection(_Section):
     # share of the cores each; "turns", one model forward at a time with all the node's cores
     # (ray_cluster/cpu_share.py: both measured, and why concurrent is the default).
     cpu_schedule: CpuSchedule = "concurrent"
+
+    @property
+    def on_ray(self) -> bool:
+        """Whether the run's model work runs on Ray (executor ray), not in this one process."""
+        return self.executor == "ray"
 
 
 class EvaluationSection(_Section):
@@ -438,7 +460,7 @@ class RunConfig(_Section):
             raise ValueError(f"calibration.tasks names {unknown}, which no expert has; experts' tasks: {sorted(tasks)}")
         if self.calibration.position_rank is not None and self.calibration.position_bias == "none":
             raise ValueError("calibration.position_rank is set but calibration.position_bias is 'none'")
-        device, on_ray = self.calibration.device, self.cluster.executor == "ray"
+        device, on_ray = self.calibration.device, self.cluster.on_ray
         worker_gpus = self.cluster.worker_resources.get("GPU", 1.0 if self.cluster.use_gpu else 0.0)
         if on_ray and self.cluster.num_workers > 1 and worker_gpus and worker_gpus != int(worker_gpus):
             raise ValueError(f"cluster.worker_resources GPU: {worker_gpus:g} puts each of the "
@@ -458,6 +480,10 @@ class RunConfig(_Section):
         return tuple(e.task for e in self.sources.experts)
 
     @property
+    def calibration_method(self) -> CalibrationMethod:
+        return CALIBRATION_METHODS[self.calibration.method]
+
+    @property
     def run_dir(self) -> Path:
         return self.output_dir / self.name
 
@@ -465,7 +491,7 @@ class RunConfig(_Section):
     def models_on_gpus(self) -> bool:
         """Whether the run's models are on GPU actors (Ray with cluster.use_gpu): no model forward then runs on
         the driver, whose node (a cluster's head) may have no GPU and too little memory for the models."""
-        return self.cluster.executor == "ray" and self.cluster.use_gpu
+        return self.cluster.on_ray and self.cluster.use_gpu
 
     @property
     def merged_dir(self) -> Path:
@@ -476,7 +502,7 @@ class RunConfig(_Section):
     def model_dir(self) -> Path:
         """The model the run's corrections apply to and that it serves: the learned merge (RUN_DIR/learned-merge)
         when calibration.method fits merge coefficients, else the merged model."""
-        return self.merged_dir if self.calibration.method == "darts" else self.run_dir / LEARNED_FOLDER
+        return self.run_dir / LEARNED_FOLDER if self.calibration_method.fits_coefficients else self.merged_dir
 
 
 Section = TypeVar("Section", bound=_Section)

@@ -18,11 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from darts_dist.calibrate.coefficients import COEFFICIENTS_FILE, fit_in_process, learned_merge
-from darts_dist.calibrate.in_process import calibrate_stage
+from darts_dist.calibrate.coefficients import COEFFICIENTS_FILE, learned_merge
+from darts_dist.calibrate.executors import executor_for
 from darts_dist.calibrate.layers import with_concrete_layers
-from darts_dist.calibrate.outcome import CalibrationOutcome
-from darts_dist.calibrate.ray.job import calibrate_distributed, fit_coefficients_distributed
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import RUN_CONFIG_FILE, RunConfig
 from darts_dist.core import ROUTER_FILE, read_header
@@ -39,9 +37,6 @@ from darts_dist.memory import PeakMemory
 from darts_dist.merge.stage import merge_stage
 from darts_dist.plan.check import driver_holds_evaluation
 from darts_dist.ray_cluster.placement import placement_tags
-from darts_dist.sources.models import (
-    resolve_device,
-)
 from darts_dist.sources.output_cache import OutputCache
 from darts_dist.sources.references import ResolvedSources, resolve_sources
 from darts_dist.tracking.registry import (
@@ -129,25 +124,18 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
 CALIBRATION_PLOTS = ("loss", "entropy_weights")  # the calibration run's PNGs, by their name in the report
 
 
-def _device_label(config: RunConfig) -> str:
-    # On Ray the device is decided inside each worker: a GPU when the cluster gives it one.
-    if config.cluster.executor == "ray":
-        return "cuda" if config.cluster.use_gpu else "cpu"
-    return str(resolve_device(config.calibration.device))
-
-
 def run_coefficients(state: RunState) -> Path:
     """Fit the merge coefficients (calibration.method merge_coefficients[+darts]) and write the learned merge;
     tracked, in a `coefficients` stage run: the loss per step, the coefficients, their plot, the mergekit YAML."""
     config, tracking = state.config, state.tracking
-    executor = config.cluster.executor
+    executor = executor_for(config.cluster)
     run_id = on_step = None
     if tracking is not None:
-        run_id = tracking.start_stage("coefficients", system_tags(config, _device_label(config), executor=executor))
+        run_id = tracking.start_stage("coefficients", system_tags(config, executor.device(config),
+                                                                  executor=config.cluster.executor))
         on_step = tracking.step_logger(run_id)
     with state.timed("coefficients"):
-        fit = (fit_coefficients_distributed if executor == "ray" else fit_in_process)(config, state.sources,
-                                                                                       on_step=on_step)
+        fit = executor.fit_coefficients(config, state.sources, on_step)
         logger.info("merge coefficients: loss %.4f -> %.4f in %.1f s", fit.losses[0], fit.losses[-1], fit.seconds)
         learned = learned_merge(config, state.sources.base, state.sources.experts, fit, config.model_dir)
     plot = plot_coefficients(fit.table(), config.run_dir / "plots" / "coefficients.png")
@@ -169,26 +157,27 @@ def run_calibration(state: RunState) -> Path | None:
     (tracked: per-step metrics too); returns the corrections' path. With merge coefficients, they are fitted
     first and the corrections (merge_coefficients+darts) apply to the learned merge; merge_coefficients alone
     trains no corrections (None)."""
-    if state.config.calibration.method != "darts":
+    method = state.config.calibration_method
+    if method.fits_coefficients:
         run_coefficients(state)
-        if state.config.calibration.method == "merge_coefficients":
-            return None
+    if not method.trains_corrections:
+        return None
     started = time.perf_counter()
     config, tracking = state.config, state.tracking
-    model_dir = config.model_dir if config.calibration.method != "darts" else state.merged_dir
-    executor = config.cluster.executor
+    model_dir = config.model_dir if method.fits_coefficients else state.merged_dir
+    executor = executor_for(config.cluster)
     run_id = on_step = None
     if tracking is not None:
-        run_id = tracking.start_stage("calibration", system_tags(config, _device_label(config), executor=executor))
+        run_id = tracking.start_stage("calibration", system_tags(config, executor.device(config),
+                                                                 executor=config.cluster.executor))
         on_step = tracking.step_logger(run_id)
-    calibrate = calibrate_distributed if executor == "ray" else calibrate_stage
     with state.timed("calibration"):
-        outcome: CalibrationOutcome = calibrate(config, state.sources, model_dir, on_step=on_step)
+        outcome = executor.calibrate(config, state.sources, model_dir, on_step)
     losses = outcome.result.losses
     state.report["corrections"] = str(outcome.corrections_path)
     state.report["model"] = str(model_dir)
     state.report["calibration"] = {
-        "executor": executor,
+        "executor": config.cluster.executor,
         "steps": len(losses),
         "first_loss": losses[0],
         "final_loss": losses[-1],

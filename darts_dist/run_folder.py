@@ -39,7 +39,7 @@ def read_run_folder(folder: Path, corrections: Path | None = None, router: Path 
     when it holds no merged model."""
     config = run_config(folder)
     merged = folder / MERGED_FOLDER
-    if (folder / LEARNED_FOLDER).is_dir() and (config is None or config.calibration.method != "darts"):
+    if (folder / LEARNED_FOLDER).is_dir() and (config is None or config.calibration_method.fits_coefficients):
         merged = folder / LEARNED_FOLDER  # the model its corrections belong to
     elif not merged.is_dir() and config is not None and config.merge.output is not None:
         merged = config.merge.output

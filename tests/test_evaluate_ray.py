@@ -16,6 +16,7 @@ from darts_dist.core import CorrectionSpec, DartsCorrections
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.on_ray import uses_ray
 from darts_dist.evaluate.stage import evaluate_stage
+from darts_dist.plan.check import driver_holds_evaluation
 from darts_dist.sources.corrections import save_corrections_for
 from darts_dist.sources.output_cache import OutputCache
 from darts_dist.sources.references import resolve_sources
@@ -87,8 +88,7 @@ def test_the_ray_evaluation_equals_the_in_process_one(tiny_family, tmp_path: Pat
     assert any((tmp_path / "ray-cache").rglob("*.safetensors"))
 
 
-def test_auto_evaluates_on_ray_only_with_a_gpu_per_model(tiny_family, tmp_path: Path, judged, ray_cluster,
-                                                         monkeypatch) -> None:
+def test_auto_evaluates_on_ray_only_with_a_gpu_per_model(tiny_family, tmp_path: Path, judged, ray_cluster) -> None:
     merged_dir, path, router, want = judged
     config = _config(tiny_family, tmp_path, "auto")
     assert not uses_ray(config)
@@ -101,11 +101,13 @@ def test_auto_evaluates_on_ray_only_with_a_gpu_per_model(tiny_family, tmp_path: 
     missing = parse_config(gpu.model_dump(mode="json") | {"cluster": {
         "use_gpu": True, "expert_resources": {"no_such_node": 1}, "resource_wait_s": 2}})
     cache = OutputCache(tmp_path / "cache")
-    assert_close(evaluate_stage(missing, resolve_sources(missing), merged_dir, path, router, cache), want)
+    assert driver_holds_evaluation(missing)
+    assert_close(evaluate_stage(missing, resolve_sources(missing), merged_dir, path, router, cache,
+                                driver_holds_models=lambda: driver_holds_evaluation(missing)), want)
     # ...and where the plan says it cannot hold them, it never evaluates on the driver: it waits, then refuses.
-    monkeypatch.setattr("darts_dist.pipeline.driver_holds_evaluation", lambda config: False)
     with pytest.raises(DartsError, match="no room for 4 evaluation actors"):
-        evaluate_stage(missing, resolve_sources(missing), merged_dir, path, router, cache)
+        evaluate_stage(missing, resolve_sources(missing), merged_dir, path, router, cache,
+                       driver_holds_models=lambda: False)
 
 
 def test_a_model_an_actor_cannot_load_is_reported_as_the_input_error(

@@ -52,7 +52,7 @@ def judged_artifacts(
 ) -> tuple[DartsCorrections | None, TaskRouter | None, Path]:
     """What an evaluation judges: the corrections (on the CPU) and router, and the model they apply to
     (config.model_dir: the merged model, or the learned merge of merge_coefficients methods)."""
-    model_dir = config.model_dir if config.calibration.method != "darts" else merged_dir
+    model_dir = config.model_dir if config.calibration_method.fits_coefficients else merged_dir
     if corrections_path is None:
         return None, None, model_dir
     corrections = load_corrections_for(corrections_path, model_dir, config.tasks)

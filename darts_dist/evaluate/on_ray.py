@@ -43,7 +43,7 @@ def uses_ray(config: RunConfig) -> bool:
     """`evaluation.executor`, with `auto` resolved: on Ray where calibration runs on Ray with a GPU per actor."""
     executor = config.evaluation.executor
     if executor == "auto":
-        return config.cluster.executor == "ray" and config.cluster.use_gpu
+        return config.models_on_gpus
     return executor == "ray"
 
 

@@ -102,7 +102,7 @@ def collectors(config: RunConfig, sources: ResolvedSources) -> Iterator[Collecto
     """A collector per task's expert: Ray actors with expert resources (cluster.executor ray) or local objects."""
     settings = config.calibration
     args = [(str(sources.experts[task]), settings.dtype, settings.device) for task in config.tasks]
-    if config.cluster.executor != "ray":
+    if not config.cluster.on_ray:
         yield Collectors([GramCollector(*a) for a in args], on_ray=False)
         return
     with expert_group(config.cluster, len(args), "RegMean's Gram actors") as options:

@@ -88,7 +88,7 @@ def _forward(shape: ModelShape, rows: int, length: int, itemsize: int) -> int:
 def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> list[Role]:
     """The expert actors and training workers of a calibration on Ray; in-process, the driver holds the models."""
     c, cluster = config.calibration, config.cluster
-    if cluster.executor != "ray":
+    if not cluster.on_ray:
         return []
     dtype = c.dtype if cluster.use_gpu else "float32"  # the CPU computes fp32
     item = 2 if dtype != "float32" else 4
@@ -229,7 +229,7 @@ def regmean_stage(config: RunConfig, experts: dict[str, ModelShape], merged: Mod
     it also holds every expert's model and Grams (the collectors live in the driver then)."""
     stage = {"merge output": min(merged.weight_bytes("float32"), MERGE_SHARD_BYTES),
              "solve": _solve_bytes(merged, len(experts))}
-    if config.cluster.executor != "ray":
+    if not config.cluster.on_ray:
         stage["experts and their grams"] = sum(s.weight_bytes("float32") + gram_bytes(s) for s in experts.values())
     return stage
 
