@@ -33,7 +33,7 @@ from darts_dist.calibrate.loop import build_corrections
 from darts_dist.config import ServeSection
 from darts_dist.core import save_corrections
 from darts_dist.fsutil import cache_root
-from darts_dist.serve.app import start
+from darts_dist.serve.runner import start
 from darts_dist.serve.model import ModelSource
 from darts_dist.sources.corrections import corrections_metadata
 from darts_dist.sources.data import load_rows, prompts_of

@@ -351,7 +351,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from darts_dist.plan.check import check_serving
     from darts_dist.serve.access import resolve_api_key
-    from darts_dist.serve.app import run_foreground
+    from darts_dist.serve.runner import run_foreground
     from darts_dist.serve.model import resolve_model, serve_settings
 
     api_key = resolve_api_key(args.api_key, args.api_key_file)
@@ -365,7 +365,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_serve_deploy(args: argparse.Namespace) -> None:
     from darts_dist.plan.check import check_serving
     from darts_dist.serve.access import resolve_api_key
-    from darts_dist.serve.app import follows, start
+    from darts_dist.serve.runner import follows, start
     from darts_dist.serve.model import resolve_model, serve_settings
 
     api_key = resolve_api_key(args.api_key, args.api_key_file)

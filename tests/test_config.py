@@ -103,3 +103,13 @@ def test_shipped_configs_validate() -> None:
     root = Path(__file__).resolve().parents[1]
     for path in [*sorted((root / "jobs" / "configs").glob("*.yaml")), *sorted((root / "darts_dist" / "configs").glob("*.yaml"))]:
         load_config(path)
+
+
+def test_every_calibration_method_is_in_its_registry() -> None:
+    from typing import get_args
+
+    from darts_dist.config import CALIBRATION_METHODS, CalibrationSection
+
+    assert set(get_args(CalibrationSection.model_fields["method"].annotation)) == set(CALIBRATION_METHODS)
+    assert {name for name, method in CALIBRATION_METHODS.items() if method.trains_corrections} == \
+        {"darts", "merge_coefficients+darts"}

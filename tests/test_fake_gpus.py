@@ -108,7 +108,7 @@ def test_a_run_asking_for_five_gpus_is_refused_in_seconds(ray_cluster, tiny_fami
 def test_a_serving_replica_holds_a_gpu_and_says_it_found_no_cuda(ray_cluster, tiny_family, tmp_path) -> None:
     from ray import serve
 
-    from darts_dist.serve.app import start
+    from darts_dist.serve.runner import start
 
     source, _ = resolve_model(str(tiny_family.base))
     settings = ServeSection(use_gpu=True, port=free_port(), num_replicas=1)

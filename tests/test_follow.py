@@ -10,7 +10,7 @@ import pytest
 
 from darts_dist.config import CaptureSection, ServeSection
 from darts_dist.errors import DartsError
-from darts_dist.serve.app import check_capture_folder
+from darts_dist.serve.builder import check_capture_folder
 from darts_dist.serve.follow import AliasFollower
 from darts_dist.serve.model import ModelSource
 from darts_dist.tracking.runs import connect

@@ -150,7 +150,7 @@ def test_serve_bounds_that_would_refuse_every_large_request_are_refused_at_valid
 
 def test_a_replica_given_a_gpu_it_cannot_find_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     from darts_dist.config import ServeSection
-    from darts_dist.serve.app import replica_device
+    from darts_dist.serve.deployment import replica_device
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert replica_device(ServeSection()) == (torch.device("cpu"), None)

@@ -1,7 +1,7 @@
 """The OpenAI wire format darts-dist serves: request validation, responses, stream chunks and errors.
 
 Plain pydantic models and dicts with no Ray in them, so the protocol can be read (and checked)
-apart from the serving machinery in `serve/app.py`. Fields OpenAI clients send that a local model has
+apart from the serving machinery (`serve/deployment.py`). Fields OpenAI clients send that a local model has
 no use for (`user`, `presence_penalty`, ...) are accepted and ignored, as other OpenAI-compatible
 servers do; settings that would change the answer and are not supported (`n` > 1) are refused.
 """
