@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -15,6 +15,25 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from darts_dist.errors import DartsError
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """Marks a config field as a command-line flag too (`options` builds the flags from the marked fields): its
+    name, what it sets, its metavar; a flag without a value sets `const`; `parse` turns the raw text into the
+    field's value before the config is validated again."""
+
+    name: str
+    help: str
+    metavar: str | None = None
+    const: Any = None
+    parse: Callable[[str], Any] | None = None
+
+
+def _no_limit_for_all(raw: str) -> str | None:
+    return None if raw == "all" else raw
+
+
 PositiveInt = Annotated[int, Field(gt=0)]
 # A surgery layer: a decoder layer's index or "final" (the final norm's output); in a config also a set of
 # layers, made concrete once the model is known (calibrate.layers): "all" decoder layers, "every:N" (layers
@@ -175,9 +194,7 @@ class CalibrationMethod:
     trains_corrections: bool
 
 
-# calibration.method's registry, the one place its names mean something: darts: corrections on the run's merge;
-# merge_coefficients: per-layer task-arithmetic coefficients fitted on the same expert stream, written as a merged
-# model and its mergekit YAML (no corrections); merge_coefficients+darts: DARTS on that learned merge.
+# calibration.method's registry, the one place its names mean something (config.calibration_method reads it).
 CALIBRATION_METHODS = {
     "darts": CalibrationMethod(fits_coefficients=False, trains_corrections=True),
     "merge_coefficients": CalibrationMethod(fits_coefficients=True, trains_corrections=False),
@@ -188,7 +205,10 @@ CALIBRATION_METHODS = {
 class CalibrationSection(_Section):
     """The DARTS correction and its training (DESIGN.md §1), or learned merge coefficients, or both."""
 
-    method: Literal["darts", "merge_coefficients", "merge_coefficients+darts"] = "darts"  # CALIBRATION_METHODS
+    # darts: corrections on the run's merge; merge_coefficients: per-layer task-arithmetic coefficients fitted on
+    # the same expert stream, written as a merged model and its mergekit YAML (no corrections);
+    # merge_coefficients+darts: DARTS on that learned merge.
+    method: Literal["darts", "merge_coefficients", "merge_coefficients+darts"] = "darts"
     layers: list[Layer] = Field(default_factory=lambda: ["final"], min_length=1)
     # Where the loss is taken: at every corrected layer against the expert's hidden state there (SurgeryV2),
     # or at the last corrected layer only (the layers below trained through the model to serve it).
@@ -204,13 +224,14 @@ class CalibrationSection(_Section):
     num_samples: PositiveInt = 128
     max_length: PositiveInt = 128
     batch_size: PositiveInt = 8
-    steps: PositiveInt = 400
+    steps: Annotated[PositiveInt, Flag("--steps", "calibration steps", "N")] = 400
     learning_rate: float = Field(default=1e-3, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     validation_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
     # The share of num_samples taken from a task's captured traffic (data.traffic), its most recent prompts; the
     # rest are the calibration file's first rows. Fewer captured prompts than the share: all of them.
-    traffic_share: float = Field(default=0.5, ge=0.0, le=1.0)
+    traffic_share: Annotated[float, Flag("--traffic-share", "share of the calibration samples taken from the captured "
+                                         "prompts", "X")] = Field(default=0.5, ge=0.0, le=1.0)
     seed: int = 0
     # The frozen models' dtype on GPUs (what a 7B user picks: half the memory, the tensor cores' rate); the CPU
     # computes fp32 whatever this says, and the corrections and their optimizer state are fp32 everywhere.
@@ -267,8 +288,10 @@ class ClusterSection(_Section):
 
     # "ray": expert actors stream into Ray Train workers (a local cluster started for the job unless
     # `address`, --address or RAY_ADDRESS names one); "in-process": the one-process reference loop.
-    executor: Literal["ray", "in-process"] = "ray"
-    address: str | None = None
+    executor: Annotated[Literal["ray", "in-process"], Flag("--in-process", "calibrate with the one-process reference "
+                                                           "loop instead of Ray", const="in-process")] = "ray"
+    address: Annotated[str | None, Flag("--address", "an existing Ray cluster to calibrate on (default: RAY_ADDRESS, "
+                                        "else a local cluster started for the job)", "ADDR")] = None
     num_workers: PositiveInt = 1
     zero_stage: Literal[0, 1, 2, 3] = 0
     use_gpu: bool = False
@@ -312,7 +335,9 @@ class ClusterSection(_Section):
 class EvaluationSection(_Section):
     """Task scores on held-out data (greedy generation is slow on a CPU, hence the limit)."""
 
-    score_limit: int | None = Field(default=20, ge=0)  # problems per task; None = all, 0 = no task scores
+    # problems per task; None = all, 0 = no task scores
+    score_limit: Annotated[int | None, Flag("--score-limit", "task-score problems per task, or all (0: no task "
+                                            "scores)", "N|all", parse=_no_limit_for_all)] = Field(default=20, ge=0)
     max_new_tokens: PositiveInt | None = None  # a cap on every answer; None: each scorer's own length
     # Answers generated at once (continuous batching: a finished answer's place goes to the next problem).
     generation_batch_size: PositiveInt = 32
@@ -443,7 +468,8 @@ class RunConfig(_Section):
     """A whole darts-dist run."""
 
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")] = "darts-dist"
-    output_dir: Path = Path("runs")
+    output_dir: Annotated[Path, Flag("--output-dir", "where run folders go", "DIR",
+                                     parse=lambda raw: Path(raw).absolute())] = Path("runs")
     sources: SourcesSection
     merge: MergeSection = MergeSection()
     calibration: CalibrationSection = CalibrationSection()

@@ -1,4 +1,5 @@
-"""The command-line flags that set config keys: one table, and every value validated by the config's models.
+"""The command-line flags that set config keys, generated from the config's fields that declare one (`config.Flag`),
+every value validated by the config's models.
 
 As in mergekit's options.py, a flag is another way to write a config key: applying flags builds an
 update of the config and validates the whole config again with the same pydantic models as the
@@ -10,60 +11,56 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from darts_dist.config import RunConfig, format_errors
+from darts_dist.config import Flag, RunConfig, format_errors
 from darts_dist.errors import DartsError
 
 
 @dataclass(frozen=True)
 class ConfigFlag:
-    """A flag and the config key it sets (a dotted path); a flag without a value sets `const`."""
+    """A flag (declared on its config field with `config.Flag`) and the config key it sets (a dotted path)."""
 
-    flag: str
+    flag: Flag
     key: str
-    help: str
-    metavar: str | None = None
-    const: Any = None
 
     @property
     def dest(self) -> str:
-        return self.flag.removeprefix("--").replace("-", "_")
+        return self.flag.name.removeprefix("--").replace("-", "_")
+
+    @property
+    def help(self) -> str:
+        return f"{self.flag.help} ({self.key}{'' if self.flag.const is None else f': {self.flag.const}'})"
 
     def value(self, raw: Any) -> Any:
-        """The value for the key, before validation: paths absolute; `all` is no limit."""
-        if self.key == "output_dir":
-            return Path(raw).absolute()
-        if self.key == "evaluation.score_limit" and raw == "all":
-            return None
-        return raw
+        """The value for the key, before validation."""
+        return raw if self.flag.parse is None else self.flag.parse(raw)
 
 
-CONFIG_FLAGS = {flag.flag: flag for flag in (
-    ConfigFlag("--steps", "calibration.steps", "calibration steps (calibration.steps)", "N"),
-    ConfigFlag("--traffic-share", "calibration.traffic_share",
-               "share of the calibration samples taken from the captured prompts (calibration.traffic_share)", "X"),
-    ConfigFlag("--score-limit", "evaluation.score_limit",
-               "task-score problems per task, or all (evaluation.score_limit; 0: no task scores)", "N|all"),
-    ConfigFlag("--output-dir", "output_dir", "where run folders go (output_dir)", "DIR"),
-    ConfigFlag("--address", "cluster.address", "an existing Ray cluster to calibrate on (cluster.address; default: "
-               "RAY_ADDRESS, else a local cluster started for the job)", "ADDR"),
-    ConfigFlag("--in-process", "cluster.executor", "calibrate with the one-process reference loop instead of Ray "
-               "(cluster.executor: in-process)", const="in-process"),
-)}
+def config_flags(model: type[BaseModel] = RunConfig, prefix: str = "") -> dict[str, ConfigFlag]:
+    """Every flag declared on the fields of `model` and of its sections, by flag name."""
+    flags = {}
+    for name, field in model.model_fields.items():
+        for flag in (m for m in field.metadata if isinstance(m, Flag)):
+            flags[flag.name] = ConfigFlag(flag, prefix + name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            flags |= config_flags(field.annotation, f"{prefix}{name}.")
+    return flags
+
+
+CONFIG_FLAGS = config_flags()
 
 
 def add_config_flags(parser: argparse.ArgumentParser, *flags: str) -> None:
     """Add the named config flags to a command's parser; their values stay raw until `apply_config_flags`."""
     for name in flags:
         flag = CONFIG_FLAGS[name]
-        if flag.const is not None:
-            parser.add_argument(flag.flag, dest=flag.dest, action="store_const", const=flag.const, help=flag.help)
+        if flag.flag.const is not None:
+            parser.add_argument(name, dest=flag.dest, action="store_const", const=flag.flag.const, help=flag.help)
         else:
-            parser.add_argument(flag.flag, dest=flag.dest, default=None, metavar=flag.metavar, help=flag.help)
+            parser.add_argument(name, dest=flag.dest, default=None, metavar=flag.flag.metavar, help=flag.help)
 
 
 def _nested(key: str, value: Any) -> dict[str, Any]:
@@ -90,6 +87,6 @@ def apply_config_flags(config: RunConfig, args: argparse.Namespace) -> RunConfig
     try:
         return RunConfig.model_validate(data)
     except ValidationError as error:
-        names = {flag.key: f"{flag.flag} ({flag.key})" for flag in given}
+        names = {flag.key: f"{flag.flag.name} ({flag.key})" for flag in given}
         raise DartsError(f"the command line sets invalid values:\n{format_errors(error, names)}",
                          "fix the flags above (`darts-dist COMMAND --help` lists them)") from None
