@@ -48,6 +48,7 @@ from darts_dist.tracking.registry import (
 )
 from darts_dist.tracking.runs import (
     CORRECTIONS_TAG,
+    StepLogger,
     Tracking,
     evaluation_metrics,
     log_calibration,
@@ -124,18 +125,24 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
 CALIBRATION_PLOTS = ("loss", "entropy_weights")  # the calibration run's PNGs, by their name in the report
 
 
+def _stage_run(state: RunState, stage: str) -> tuple[str | None, StepLogger | None]:
+    """A tracked stage's run, tagged with its executor and the device it runs on, and its per-step logger;
+    (None, None) untracked."""
+    if state.tracking is None:
+        return None, None
+    config = state.config
+    run_id = state.tracking.start_stage(stage, system_tags(config, executor_for(config.cluster).device(config),
+                                                           executor=config.cluster.executor))
+    return run_id, state.tracking.step_logger(run_id)
+
+
 def run_coefficients(state: RunState) -> Path:
     """Fit the merge coefficients (calibration.method merge_coefficients[+darts]) and write the learned merge;
     tracked, in a `coefficients` stage run: the loss per step, the coefficients, their plot, the mergekit YAML."""
     config, tracking = state.config, state.tracking
-    executor = executor_for(config.cluster)
-    run_id = on_step = None
-    if tracking is not None:
-        run_id = tracking.start_stage("coefficients", system_tags(config, executor.device(config),
-                                                                  executor=config.cluster.executor))
-        on_step = tracking.step_logger(run_id)
+    run_id, on_step = _stage_run(state, "coefficients")
     with state.timed("coefficients"):
-        fit = executor.fit_coefficients(config, state.sources, on_step)
+        fit = executor_for(config.cluster).fit_coefficients(config, state.sources, on_step)
         logger.info("merge coefficients: loss %.4f -> %.4f in %.1f s", fit.losses[0], fit.losses[-1], fit.seconds)
         learned = learned_merge(config, state.sources.base, state.sources.experts, fit, config.model_dir)
     plot = plot_coefficients(fit.table(), config.run_dir / "plots" / "coefficients.png")
@@ -165,14 +172,9 @@ def run_calibration(state: RunState) -> Path | None:
     started = time.perf_counter()
     config, tracking = state.config, state.tracking
     model_dir = config.model_dir if method.fits_coefficients else state.merged_dir
-    executor = executor_for(config.cluster)
-    run_id = on_step = None
-    if tracking is not None:
-        run_id = tracking.start_stage("calibration", system_tags(config, executor.device(config),
-                                                                 executor=config.cluster.executor))
-        on_step = tracking.step_logger(run_id)
+    run_id, on_step = _stage_run(state, "calibration")
     with state.timed("calibration"):
-        outcome = executor.calibrate(config, state.sources, model_dir, on_step)
+        outcome = executor_for(config.cluster).calibrate(config, state.sources, model_dir, on_step)
     losses = outcome.result.losses
     state.report["corrections"] = str(outcome.corrections_path)
     state.report["model"] = str(model_dir)

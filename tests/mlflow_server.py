@@ -32,13 +32,14 @@ def mlflow_server(data: Path, port: int) -> Iterator[subprocess.Popen]:
         log.close()
 
 
-def stop(process: subprocess.Popen) -> None:
-    """Stop the server and its workers at once, as a crash would (the data is throwaway)."""
+def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 3.0) -> None:
+    """Send `sig` to the process's group (by default: stop the server and its workers at once, as a crash would,
+    the data being throwaway), and SIGKILL what is left after `grace_s`."""
     if process.poll() is not None:
         return
-    os.killpg(process.pid, signal.SIGTERM)
+    os.killpg(process.pid, sig)
     try:
-        process.wait(timeout=3)
+        process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()

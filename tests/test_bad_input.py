@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file, save_file
+from tiny_configs import family_config
 
 from darts_dist.cli import main
 
@@ -25,28 +26,19 @@ TASKS = ("code", "math")
 @pytest.fixture
 def case(tiny_family, tmp_path: Path):
     """A valid config and the folders it names, which a case then breaks."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for task in TASKS:
-        rows = [{"text": f"def f_{task}_{i}(x):\n    return x + {i}\n"} for i in range(12)]
-        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     models = tmp_path / "models"
     shutil.copytree(tiny_family.base, models / "base")
     for task in TASKS:
         shutil.copytree(tiny_family.experts[task], models / task)
-    config = {
-        "name": "bad",
-        "output_dir": str(tmp_path / "out"),
-        "sources": {
-            "base": str(models / "base"),
-            "experts": [{"task": t, "path": str(models / t),
-                         "data": {"calibration": f"data/{t}.jsonl", "heldout": f"data/{t}.jsonl"}} for t in TASKS],
-        },
-        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
-        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "steps": 2},
-        "cluster": {"executor": "in-process"},
-    }
-    return {"config": config, "root": tmp_path, "models": models, "data": data}
+    config = family_config(tiny_family, tmp_path, "bad", lambda task, i: f"def f_{task}_{i}(x):\n    return x + {i}\n",
+                           12, tasks=TASKS, output_dir=str(tmp_path / "out"),
+                           calibration={"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "steps": 2},
+                           cluster={"executor": "in-process"})
+    # Copies of the models, which a case may break.
+    config["sources"]["base"] = str(models / "base")
+    for expert in config["sources"]["experts"]:
+        expert["path"] = str(models / expert["task"])
+    return {"config": config, "root": tmp_path, "models": models, "data": tmp_path / "data"}
 
 
 def config_path(case: dict) -> Path:

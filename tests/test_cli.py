@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_configs import family_config
 
 from darts_dist.cli import main
 from darts_dist.core import read_header
@@ -115,23 +116,9 @@ def test_a_bad_flag_is_refused_like_a_bad_key(flags: list[str], expected: str, t
 @pytest.fixture
 def user_config(tiny_family, tmp_path: Path):
     """A darts-dist config over the tiny family with local data files, and a writer for variants."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for task in ("code", "math"):
-        rows = [{"text": f"def f_{task}_{i}(x):\n    return x + {i}\n"} for i in range(12)]
-        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {
-        "name": "user",
-        "sources": {
-            "base": str(tiny_family.base),
-            "experts": [
-                {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": f"data/{t}.jsonl"}}
-                for t in ("code", "math")
-            ],
-        },
-        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
-        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "steps": 3},
-    }
+    config = family_config(tiny_family, tmp_path, "user", lambda task, i: f"def f_{task}_{i}(x):\n    return x + {i}\n",
+                           12, heldout=False,
+                           calibration={"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "steps": 3})
 
     def write(patch=None) -> Path:
         path = tmp_path / "run.yaml"

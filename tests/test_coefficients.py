@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
+from tiny_configs import family_config
 
 from darts_dist.ablation import claims, over_seeds
 from darts_dist.calibrate.coefficients import (
@@ -211,25 +212,13 @@ def test_claims_need_a_difference_beyond_two_standard_deviations() -> None:
 @pytest.mark.slow
 def test_learned_merge_with_deep_corrections_registers_loads_through_pyfunc(tiny_family, tmp_path: Path,
                                                                            monkeypatch) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    for task in ("code", "math"):
-        rows = [{"text": f"def f_{task}_{i}(x):\n    return x * {i} + {i + 1}\n"} for i in range(12)]
-        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {
-        "name": "learned", "output_dir": str(tmp_path / "runs"),
-        "sources": {"base": str(tiny_family.base),
-                    "experts": [{"task": t, "path": str(tiny_family.experts[t]),
-                                 "data": {"calibration": str(data / f"{t}.jsonl"), "heldout": str(data / f"{t}.jsonl")}}
-                                for t in ("code", "math")]},
-        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
-        "calibration": {"method": "merge_coefficients+darts", "layers": [2, "final"], "rank": 4, "max_positions": 16,
-                        "num_samples": 8, "max_length": 16, "batch_size": 4, "steps": 6, "learning_rate": 0.001,
-                        "coefficients": {"steps": 10, "learning_rate": 0.05}},
-        "evaluation": {"score_limit": 0},
-        "cluster": {"executor": "in-process"},
-        "tracking": {"registered_model": "learned-tiny"},
-    }
+    config = family_config(
+        tiny_family, tmp_path, "learned", lambda task, i: f"def f_{task}_{i}(x):\n    return x * {i} + {i + 1}\n",
+        12, output_dir=str(tmp_path / "runs"),
+        calibration={"method": "merge_coefficients+darts", "layers": [2, "final"], "rank": 4, "max_positions": 16,
+                     "num_samples": 8, "max_length": 16, "batch_size": 4, "steps": 6, "learning_rate": 0.001,
+                     "coefficients": {"steps": 10, "learning_rate": 0.05}},
+        evaluation={"score_limit": 0}, cluster={"executor": "in-process"}, tracking={"registered_model": "learned-tiny"})
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -253,8 +242,9 @@ def test_learned_merge_with_deep_corrections_registers_loads_through_pyfunc(tiny
     # The evaluation judges the learned merge with its corrections against the run's task-arithmetic merge: their
     # held-out NLL by hand, each row on its own.
     evaluation = report["variants"]["darts"]["tasks"]["code"]
-    heldout = tokenized(TaskFiles(data / "code.jsonl", data / "code.jsonl"), "code", "heldout",
-                        CalibrationSection(max_length=16), load_tokenizer(tiny_family.base))
+    rows = tmp_path / "data" / "code.jsonl"
+    heldout = tokenized(TaskFiles(rows, rows), "code", "heldout", CalibrationSection(max_length=16),
+                        load_tokenizer(tiny_family.base))
 
     def heldout_nll(model) -> float:
         total, count = 0.0, 0

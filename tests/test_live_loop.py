@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow_server import free_port, mlflow_server
+from mlflow_server import free_port, mlflow_server, stop
+from tiny_configs import family_config
 
 from darts_dist.calibrate import in_process
 from darts_dist.cli import main
@@ -36,26 +37,15 @@ PROMPTS = {"code": [f"def f_{i}(x):\n    return" for i in range(4)],
 
 def write_config(tiny_family, folder: Path, name: str, learning_rate: float, steps: int) -> Path:
     """Two tasks of the tiny family, calibrated in-process; serving follows the alias every POLL_S and captures."""
-    data = folder / "data"
-    data.mkdir(exist_ok=True)
-    for task in TASKS:
-        rows = [{"text": f"def f_{task}_{i}(x):\n    return x * {i} + {i + 1}\n"} for i in range(10)]
-        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {
-        "name": "live",
-        "output_dir": str(folder / "runs"),
-        "sources": {"base": str(tiny_family.base), "experts": [
-            {"task": t, "path": str(tiny_family.experts[t]),
-             "data": {"calibration": f"data/{t}.jsonl", "heldout": f"data/{t}.jsonl"}} for t in TASKS]},
-        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
-        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "batch_size": 4,
-                        "steps": steps, "learning_rate": learning_rate},
-        "cluster": {"executor": "in-process"},
-        "evaluation": {"score_limit": 0},
-        "tracking": {"experiment": "live-loop", "registered_model": MODEL},
-        "serve": {"follow_alias": True, "alias_poll_s": POLL_S, "max_batch_size": 8,
-                  "capture": {"enabled": True, "dir": str(folder / "traffic"), "flush_s": 0.5}},
-    }
+    config = family_config(
+        tiny_family, folder, "live", lambda task, i: f"def f_{task}_{i}(x):\n    return x * {i} + {i + 1}\n", 10,
+        tasks=TASKS, output_dir=str(folder / "runs"),
+        calibration={"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "batch_size": 4,
+                     "steps": steps, "learning_rate": learning_rate},
+        cluster={"executor": "in-process"}, evaluation={"score_limit": 0},
+        tracking={"experiment": "live-loop", "registered_model": MODEL},
+        serve={"follow_alias": True, "alias_poll_s": POLL_S, "max_batch_size": 8,
+               "capture": {"enabled": True, "dir": str(folder / "traffic"), "flush_s": 0.5}})
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -223,12 +213,7 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
         assert later and {a.version for a in later} == {"2"}
     finally:
         client.halt.set()
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop(server, signal.SIGINT, grace_s=60)
     # Not one of the client's requests failed, through the switch and after it; versions only went forward.
     failed = [a for a in client.answers if a.status != 200]
     assert not failed, failed[:5]

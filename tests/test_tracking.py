@@ -15,6 +15,7 @@ import pytest
 import yaml
 from isolation import requirements_environment
 from mlflow_server import free_port, mlflow_server
+from tiny_configs import family_config
 
 from darts_dist.cli import main
 from darts_dist.errors import DartsError
@@ -38,26 +39,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 def write_config(tiny_family, folder: Path) -> Path:
     """Two tasks of the tiny family, with calibration and held-out files; a few fast steps."""
-    data = folder / "data"
-    data.mkdir(parents=True)
-    for task in ("code", "math"):
-        rows = [{"text": f"def f_{task}_{i}(x):\n    return x * {i} + {i + 1}\n"} for i in range(10)]
-        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {
-        "name": "tracked",
-        "sources": {
-            "base": str(tiny_family.base),
-            "experts": [
-                {"task": t, "path": str(tiny_family.experts[t]),
-                 "data": {"calibration": f"data/{t}.jsonl", "heldout": f"data/{t}.jsonl"}}
-                for t in ("code", "math")
-            ],
-        },
-        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
-        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "batch_size": 4,
-                        "steps": STEPS, "learning_rate": 0.05},
-        "tracking": {"experiment": "test-tracking", "registered_model": MODEL},
-    }
+    config = family_config(
+        tiny_family, folder, "tracked", lambda task, i: f"def f_{task}_{i}(x):\n    return x * {i} + {i + 1}\n", 10,
+        calibration={"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "batch_size": 4,
+                     "steps": STEPS, "learning_rate": 0.05},
+        tracking={"experiment": "test-tracking", "registered_model": MODEL})
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

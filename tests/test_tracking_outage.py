@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from mlflow_server import free_port, mlflow_server, stop
+from tiny_configs import family_config
 
 from darts_dist.cli import main
 from darts_dist.core import load_corrections
@@ -24,22 +25,11 @@ MODEL = "outage-darts"
 
 
 def write_config(tiny_family, folder: Path) -> Path:
-    data = folder / "data"
-    data.mkdir()
-    for task in ("code", "math"):
-        rows = [{"text": f"def g_{task}_{i}(x):\n    return x - {i}\n"} for i in range(10)]
-        (data / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {
-        "name": "outage",
-        "sources": {"base": str(tiny_family.base), "experts": [
-            {"task": t, "path": str(tiny_family.experts[t]),
-             "data": {"calibration": f"data/{t}.jsonl", "heldout": f"data/{t}.jsonl"}} for t in ("code", "math")]},
-        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
-        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "batch_size": 4,
-                        "steps": 8, "learning_rate": 0.05},
-        "evaluation": {"score_limit": 0},
-        "tracking": {"experiment": "test-outage", "registered_model": MODEL},
-    }
+    config = family_config(
+        tiny_family, folder, "outage", lambda task, i: f"def g_{task}_{i}(x):\n    return x - {i}\n", 10,
+        calibration={"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "batch_size": 4,
+                     "steps": 8, "learning_rate": 0.05},
+        evaluation={"score_limit": 0}, tracking={"experiment": "test-outage", "registered_model": MODEL})
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
