@@ -292,13 +292,23 @@ def _merge_config(config: RunConfig, method: str) -> RunConfig:
     return updated(config, merge=updated(merge, method=method, parameters=parameters, others=None, output=output))
 
 
-def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress: bool = True) -> dict[str, object]:
-    """Execute the plan: the report's `variants` are the first merge method's, `merge_methods` holds them all."""
-    started = time.perf_counter()
+@dataclass
+class Setup:
+    """An ablation made concrete: the plan on the concrete layers, the shared context, the task vectors and deep
+    DARTS's layers (where deep DARTS or the learned coefficients run), and each task's expert side."""
+
+    plan: AblationPlan
+    ctx: Context
+    vectors: TaskVectors | None
+    deep_layers: list[LayerKey] | None
+    experts: list[TaskSide]
+
+
+def _setup(plan: AblationPlan, progress: bool) -> Setup:
+    """Resolve the sources, make the layers concrete, and run each expert once over its task (every layer any
+    variant needs)."""
     config = plan.config
     settings = config.calibration
-    if tracking is not None:
-        log_config(tracking, config)
     device = resolve_device(settings.device)
     sources = resolve_sources(config)
     config = with_concrete_layers(config, sources)
@@ -314,44 +324,63 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         num_layers = vectors.num_layers
         deep_layers = concrete_layers(plan.deep_layers, num_layers, vectors.changed_layers)
         aligned = concrete_layers(settings.coefficients.layers, num_layers, vectors.changed_layers)
-        config = updated(config, calibration=updated(settings, coefficients=updated(settings.coefficients,
-                                                                                    layers=aligned)))
-        ctx.config = config
+        ctx.config = updated(config, calibration=updated(settings, coefficients=updated(settings.coefficients,
+                                                                                        layers=aligned)))
         needed |= {*(deep_layers if plan.deep else ()), *(fit_layers(aligned, num_layers) if plan.coefficients else ())}
     layers = [*sorted(k for k in needed if isinstance(k, int)), *(["final"] if "final" in needed else [])]
     base_passes = base_scores(evaluator, sources.base, ctx.dtype, device)
     experts = [task_side(index, ctx, plan.trials > 0, base_passes.get(task), layers)
                for index, task in enumerate(config.tasks)]
+    return Setup(plan, ctx, vectors, deep_layers, experts)
+
+
+def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress: bool = True) -> dict[str, object]:
+    """Execute the plan: the report's `variants` are the first merge method's, `merge_methods` holds them all."""
+    started = time.perf_counter()
+    if tracking is not None:
+        log_config(tracking, plan.config)
+    setup = _setup(plan, progress)
+    plan, ctx = setup.plan, setup.ctx
     methods: dict[str, dict[str, object]] = {}
     variants, trials, router_report = plan.variants, None, None
     for method in plan.merge_methods:
         headline = method == plan.merge_methods[0]
-        merged_dir = merge_stage(_merge_config(config, method), sources)
-        merged = load_causal_lm(merged_dir, dtype=ctx.dtype, device=device)
+        merged_dir = merge_stage(_merge_config(ctx.config, method), ctx.sources)
+        merged = load_causal_lm(merged_dir, dtype=ctx.dtype, device=ctx.device)
         router = None
         if headline:  # the router of the headline merge: its accuracy and DARTS's routed scores
-            router_report = fit_run_router(config, sources.data, merged_dir, evaluator.layer, model=merged)
+            router_report = fit_run_router(ctx.config, ctx.sources.data, merged_dir, ctx.evaluator.layer, model=merged)
             router = TaskRouter.load(Path(router_report["path"]))
-        sides = merge_sides(merged, merged_dir, experts, ctx)
+        sides = merge_sides(merged, merged_dir, setup.experts, ctx)
         tuned_here = plan.trials > 0 and trials is None
         if tuned_here:  # on the headline merge; the others reuse its winners, so merges compare at equal settings
             variants, trials = tune(plan, merged_dir, sides, ctx, tracking)
         here = dict(variants)
         if plan.deep:
-            here[DEEP] = updated(variants["darts"], layers=deep_layers)
+            here[DEEP] = updated(variants["darts"], layers=setup.deep_layers)
         results = {}
         for name, variant in here.items():
             results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking, plan.seeds,
                                          router if name == "darts" else None)
         if headline and plan.coefficients:
-            results |= _coefficient_variants(plan, variants["darts"], vectors, merged, sides, experts, ctx, tracking)
+            results |= _coefficient_variants(plan, variants["darts"], setup.vectors, merged, sides, setup.experts, ctx,
+                                             tracking)
         methods[method] = {"merged": str(merged_dir), "variants": results, "claims": claims(results),
                            "paired": paired_tests(results), **({"tuning": trials} if tuned_here else {})}
         del merged, sides
         gc.collect()
+    report = _report(plan, ctx.config, methods, router_report, tracking)
+    report["seconds"] = time.perf_counter() - started
+    return report
+
+
+def _report(plan: AblationPlan, config: RunConfig, methods: dict[str, dict[str, object]],
+            router_report: dict[str, object] | None, tracking: Tracking | None) -> dict[str, object]:
+    """The ablation's report from each merge's results (the headline's first), its plot, and (tracked) the
+    headline's overall metrics on the command's run."""
     plot = plot_ablation_bias({m: r["variants"] for m, r in methods.items()},
                               config.run_dir / "plots" / "ablation_bias_by_position.png")
-    headline_variants = methods[plan.merge_methods[0]]["variants"]
+    headline = methods[plan.merge_methods[0]]
     # Every variant of every merge by "method/variant", for the comparisons across merges.
     everyone = {f"{method}/{name}": summary for method, result in methods.items()
                 for name, summary in result["variants"].items()}
@@ -360,24 +389,23 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         "run_dir": str(config.run_dir),
         "headline_merge_method": plan.merge_methods[0],
         "seeds": plan.seeds,
-        "variants": headline_variants,
-        "claims": methods[plan.merge_methods[0]]["claims"],
-        "paired": methods[plan.merge_methods[0]]["paired"],
+        "variants": headline["variants"],
+        "claims": headline["claims"],
+        "paired": headline["paired"],
         "merge_methods": methods,
         **({"claims_across_merges": claims(everyone, ACROSS_MERGES, keep=_across_merges),
             "paired_across_merges": {key: test for key, test in paired_tests(everyone).items()
                                      if _across_merges(*key.split(" vs "))}} if len(methods) > 1 else {}),
         "router": router_report,
         "tuning": {"trials": plan.trials, "select": plan.select, "merge_method": plan.merge_methods[0],
-                   "validation_fraction": settings.validation_fraction} if plan.trials else None,
+                   "validation_fraction": config.calibration.validation_fraction} if plan.trials else None,
         "plots": {"ablation_bias_by_position": str(plot)},
-        "seconds": time.perf_counter() - started,
     }
     if tracking is not None:
         tracking.log_file(tracking.run_id, plot, "plots")
-        headline = evaluation_metrics(report["variants"]["darts"])
+        metrics = evaluation_metrics(report["variants"]["darts"])
         tracking.log_metrics(tracking.run_id, {
-            **{key: value for key, value in headline.items() if key.startswith("eval.overall.")},
+            **{key: value for key, value in metrics.items() if key.startswith("eval.overall.")},
             **{f"router.{key}": router_report[key] for key in ("accuracy", "train_accuracy") if key in router_report},
         })
         report["tracking"] = {"uri": tracking.uri, "experiment_id": tracking.experiment_id,

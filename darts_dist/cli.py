@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -427,17 +427,11 @@ def _registration_target(target: str) -> tuple[str, str, Path | None]:
                      "pass the MLflow run id instead, or the folder a `calibrate` or `demo` run wrote")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="darts-dist", description="Merge fine-tuned decoder LLMs with mergekit and repair the merge with DARTS.")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show Ray's own log lines too (they go to Ray's log files otherwise)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+Command = Callable[[str, str, Callable[[argparse.Namespace], None]], argparse.ArgumentParser]
 
-    def command(name: str, help_text: str, func) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(func=func)
-        return p
 
+def _run_commands(command: Command) -> dict[str, argparse.ArgumentParser]:
+    """The commands that run the pipeline's stages, or check a config."""
     demo = command("demo", "run the main job on the embedded default (SmolLM2-135M and its demo experts)", cmd_demo)
     demo.add_argument("--tiny", action="store_true", help="the same pipeline on tiny random models (about a minute)")
     demo.add_argument("--ablate", action="store_true",
@@ -474,7 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = command("validate", "check a darts-dist or mergekit YAML without doing any work", cmd_validate)
     validate.add_argument("config", type=Path)
+    return {"demo": demo, "merge": merge, "calibrate": calibrate, "recalibrate": recalibrate, "evaluate": evaluate,
+            "register": register}
 
+
+def _serving_commands(command: Command) -> None:
+    """Serving (in the foreground or onto a cluster), the plan of a run's roles, and export."""
     serve = command("serve", "serve a model behind an OpenAI-compatible API (Ray Serve) until Ctrl-C", cmd_serve)
     deploy = command("serve-deploy", "deploy the same app onto a running Ray cluster and return (a Ray job's entry)",
                      cmd_serve_deploy)
@@ -520,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--tracking-uri", default=None, help="the registry for models:/ URIs (default: "
                         "MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
 
+
+def _ablation_commands(command: Command, demo: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """`ablate` and `merge-sweep`; the ablation's flags also on `demo` (demo --ablate)."""
     ablate = command("ablate", "the ablation table: merged, Surgery, +entropy, +position, DARTS, per merge method; "
                      "deep DARTS, learned merge coefficients (+DARTS)",
                      cmd_ablate)
@@ -548,6 +550,26 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--candidates", nargs="+", default=None, metavar="METHOD[:K=V,...]",
                        help="merges to try, e.g. task_arithmetic:weight=0.5 ties:weight=1,density=0.5 "
                        "(default: task arithmetic at 0.3, 0.5, 0.7, 1.0 and TIES at density 0.5)")
+    return {"ablate": ablate, "merge-sweep": sweep}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="darts-dist", description="Merge fine-tuned decoder LLMs with mergekit and repair the merge with DARTS.")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show Ray's own log lines too (they go to Ray's log files otherwise)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help_text: str, func: Callable[[argparse.Namespace], None]) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        return p
+
+    runs = _run_commands(command)
+    _serving_commands(command)
+    ablations = _ablation_commands(command, runs["demo"])
+    demo, merge, calibrate, recalibrate, evaluate, register = (runs[name] for name in (
+        "demo", "merge", "calibrate", "recalibrate", "evaluate", "register"))
+    ablate, sweep = ablations["ablate"], ablations["merge-sweep"]
     add_config_flags(demo, "--steps")
     add_config_flags(recalibrate, "--traffic-share")
     for p in (demo, calibrate, recalibrate, evaluate, ablate, sweep):
@@ -557,6 +579,8 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (demo, merge, calibrate, recalibrate, evaluate, register, ablate, sweep):
         p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
     return parser
+
+
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -323,7 +323,7 @@ class ClusterSection(_Section):
     stream_buffer_mb: PositiveInt = 256
     # How the experts and workers share a CPU node (no effect on GPUs): "concurrent", all at once with a
     # share of the cores each; "turns", one model forward at a time with all the node's cores
-    # (ray_cluster/cpu_share.py: both measured, and why concurrent is the default).
+    # (ray_cluster/cpu_share.py; docs/cluster.md: why concurrent is the default).
     cpu_schedule: CpuSchedule = "concurrent"
 
     @property

@@ -4,12 +4,10 @@ On a GPU cluster each expert actor and training worker has a GPU of its own and 
 CPU node they all run forward passes of models of the same size. Two ways to share the cores:
 **concurrent**, every actor at once with its share of the cores (the experts niced below the workers, which
 drain the stream), or **turns**, one model forward at a time on the node, each with every core (the regime of
-the bare forward-pass floor). Concurrent is the default: measured on a 2-core machine with three experts and
-a worker (`benchmarks/calibration_efficiency.py --cpu-schedule`), turns were no faster (job ÷ floor 2.17
-and 2.24 against 2.18 and 1.92 concurrently; the stream phase 1.58 and 1.76 against 1.51 and 1.39 of the
-floor): a forward spread over every core stalls whenever Ray's own processes take one of them (its threads
-wait for each other), where one-thread actors just slow down. `turns` stays for nodes where one forward at
-a time matters for other reasons (memory: only one model's activations at once).
+the bare forward-pass floor). Concurrent is the default because turns were no faster (docs/cluster.md, "How
+the models share a CPU node"): a forward spread over every core stalls whenever Ray's own processes take one
+of them (its threads wait for each other), where one-thread actors just slow down. `turns` stays for nodes
+where one forward at a time matters for other reasons (memory: only one model's activations at once).
 
 Imports stay light (no torch at the top): the stream's Ray Data actors import this module.
 """

@@ -262,23 +262,7 @@ def tokenize_rows(
     if fmt == "chat":
         _require_chat_template(tokenizer, label)
 
-    samples: list[tuple[list[int], list[bool]]] = []
-    for index, row in enumerate(ds):
-        if fmt == "text":
-            # verbose=False: the "longer than the model's maximum" warning is moot, rows are cut below.
-            ids = tokenizer(row[text_field or "text"], verbose=False)["input_ids"]
-            sample = (ids, [True] * len(ids))
-        elif fmt == "chat":
-            sample = _encode_chat(tokenizer, row["messages"], f"{label}, row {index}")
-        elif tokenizer.chat_template is not None:
-            messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": _response(row)}]
-            sample = _encode_chat(tokenizer, messages, f"{label}, row {index}")
-        else:
-            # Tokenised apart and joined, so the boundary falls exactly at the prompt's length.
-            prompt = tokenizer(row["prompt"], verbose=False)["input_ids"]
-            response = tokenizer(_response(row), add_special_tokens=False, verbose=False)["input_ids"]
-            sample = (prompt + response, [False] * len(prompt) + [True] * len(response))
-        samples.append(sample)
+    samples = [_encode_row(tokenizer, row, fmt, text_field, f"{label}, row {index}") for index, row in enumerate(ds)]
     # A captured prompt has no answer: all of it is what the corrected model will read.
     samples += [(list(ids), [True] * len(ids)) for ids in traffic]
 
@@ -290,6 +274,23 @@ def tokenize_rows(
         )
     return TokenizedSet.from_rows(task, [(ids, mask) for ids, mask, _ in kept], pad_id(tokenizer),
                                   has_boundary=fmt != "text", truncated=[cut for _, _, cut in kept])
+
+
+def _encode_row(tokenizer, row: dict, fmt: str, text_field: str | None, where: str) -> tuple[list[int], list[bool]]:
+    """One row's token ids and response mask, by its format (`tokenize_rows`)."""
+    if fmt == "text":
+        # verbose=False: the "longer than the model's maximum" warning is moot, rows are cut later.
+        ids = tokenizer(row[text_field or "text"], verbose=False)["input_ids"]
+        return ids, [True] * len(ids)
+    if fmt == "chat":
+        return _encode_chat(tokenizer, row["messages"], where)
+    if tokenizer.chat_template is not None:
+        messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": _response(row)}]
+        return _encode_chat(tokenizer, messages, where)
+    # Tokenised apart and joined, so the boundary falls exactly at the prompt's length.
+    prompt = tokenizer(row["prompt"], verbose=False)["input_ids"]
+    response = tokenizer(_response(row), add_special_tokens=False, verbose=False)["input_ids"]
+    return prompt + response, [False] * len(prompt) + [True] * len(response)
 
 
 def prompts_of(ds: datasets.Dataset, tokenizer, fmt: str = "auto", text_field: str | None = None) -> list[str]:

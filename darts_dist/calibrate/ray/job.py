@@ -265,64 +265,15 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
     done = finished_checkpoint(plan)
     if done is not None:  # nothing left to train: no Ray session, no workers started to find that out
         return job_result(plan, done, started=time.time(), finished=time.time(), object_store_peak_bytes=0, nodes={})
-    settings, cluster = plan.settings, plan.cluster
+    cluster = plan.cluster
     started = time.time()
-    fail_expert_after = _env_int(FAIL_EXPERT_AFTER)
     with ray_session(plan.address, local_cluster_resources(plan)):
         wait_for_resources(cluster, len(plan.data))
-        cuda = not cluster.use_gpu or gpus_are_cuda(cluster)
         # On CPU nodes: the schedule, and the model-running actors a node holds if they spread evenly (PACK may
         # put more on one node: the share is then too large there, as it would be without the rule).
         nodes = sum(1 for node in alive_nodes() if node["Resources"].get("CPU"))
         cpu = (cluster.cpu_schedule, per_node(len(plan.data) + cluster.num_workers, nodes))
-        window = StreamWindow.remote(stream_window_tokens(plan))
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            train_loop_config={
-                "settings": settings,
-                "tasks": list(plan.data),
-                "merged_dir": str(plan.merged_dir),
-                "zero_stage": cluster.zero_stage,
-                "checkpoint_every": cluster.checkpoint_every,
-                "feature_memory_mb": cluster.feature_memory_mb,
-                "fail_at_step": _env_int(FAIL_WORKER_AT_STEP),
-                "on_step": plan.on_step,
-                "fit": plan.fit,
-                "base_dir": str(plan.merged_dir),
-                "experts": {task: str(path) for task, path in plan.experts.items()},
-                "init": list(plan.init),
-                "cpu": cpu,
-                "window": window,
-                # The router's features of the tasks whose rows have a prompt, pooled by the merged forwards.
-                "router": {"layer": settings.headline_layer(), "tasks": list(plan.router_tasks)}
-                if plan.fit == "corrections" else None,
-            },
-            scaling_config=ray.train.ScalingConfig(
-                num_workers=cluster.num_workers,
-                use_gpu=cluster.use_gpu,
-                resources_per_worker={k: v for k, v in worker_bundle(cluster).items() if v},
-                placement_strategy=cluster.placement_strategy,
-            ),
-            datasets={
-                task: expert_stream(data, plan.experts[task], settings, cluster, fail_expert_after, cpu[1], window)
-                for task, data in plan.data.items()
-            },
-            # Back-pressure: each expert's stream may hold this much of the object store, no more (Ray Data's
-            # budget; the window holds what it stops counting).
-            dataset_config=ExactlyOnceSplit(execution_options=ExecutionOptions(
-                resource_limits=ExecutionResources(object_store_memory=cluster.stream_buffer_mb << 20),
-            )),
-            run_config=ray.train.RunConfig(
-                name=plan.run_id,
-                storage_path=plan.storage_path,
-                failure_config=ray.train.FailureConfig(max_failures=cluster.max_failures),
-                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-                # DeepSpeed would look for CUDA first; on a CPU cluster it must use its CPU accelerator.
-                worker_runtime_env={} if cluster.use_gpu and cuda else {"env_vars": {"DS_ACCELERATOR": "cpu"}},
-            ),
-            # NCCL needs CUDA devices: GPU resources without them (a rehearsal on CPUs) train over gloo.
-            torch_config=None if cuda else TorchConfig(backend="gloo"),
-        )
+        trainer = _trainer(plan, cpu, StreamWindow.remote(stream_window_tokens(plan)))
         with ObjectStoreSampler() as store_use:
             try:
                 result = trainer.fit()
@@ -330,6 +281,66 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
                 raise (_user_error(error) or error) from None
         nodes = node_table()  # while connected: the nodes' addresses and resources, for the record
     return job_result(plan, result.checkpoint, started, time.time(), store_use.peak, nodes)
+
+
+def _train_loop_config(plan: JobPlan, cpu: tuple[str, int], window: ray.actor.ActorHandle) -> dict[str, object]:
+    """What every training worker gets (`worker.train_loop_per_worker`)."""
+    settings, cluster = plan.settings, plan.cluster
+    return {
+        "settings": settings,
+        "tasks": list(plan.data),
+        "merged_dir": str(plan.merged_dir),
+        "zero_stage": cluster.zero_stage,
+        "checkpoint_every": cluster.checkpoint_every,
+        "feature_memory_mb": cluster.feature_memory_mb,
+        "fail_at_step": _env_int(FAIL_WORKER_AT_STEP),
+        "on_step": plan.on_step,
+        "fit": plan.fit,
+        "base_dir": str(plan.merged_dir),
+        "experts": {task: str(path) for task, path in plan.experts.items()},
+        "init": list(plan.init),
+        "cpu": cpu,
+        "window": window,
+        # The router's features of the tasks whose rows have a prompt, pooled by the merged forwards.
+        "router": {"layer": settings.headline_layer(), "tasks": list(plan.router_tasks)}
+        if plan.fit == "corrections" else None,
+    }
+
+
+def _trainer(plan: JobPlan, cpu: tuple[str, int], window: ray.actor.ActorHandle) -> TorchTrainer:
+    """The Ray Train job: DeepSpeed workers fed by each expert's stream, within the object store's budget."""
+    settings, cluster = plan.settings, plan.cluster
+    cuda = not cluster.use_gpu or gpus_are_cuda(cluster)
+    fail_expert_after = _env_int(FAIL_EXPERT_AFTER)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=_train_loop_config(plan, cpu, window),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cluster.num_workers,
+            use_gpu=cluster.use_gpu,
+            resources_per_worker={k: v for k, v in worker_bundle(cluster).items() if v},
+            placement_strategy=cluster.placement_strategy,
+        ),
+        datasets={
+            task: expert_stream(data, plan.experts[task], settings, cluster, fail_expert_after, cpu[1], window)
+            for task, data in plan.data.items()
+        },
+        # Back-pressure: each expert's stream may hold this much of the object store, no more (Ray Data's
+        # budget; the window holds what it stops counting).
+        dataset_config=ExactlyOnceSplit(execution_options=ExecutionOptions(
+            resource_limits=ExecutionResources(object_store_memory=cluster.stream_buffer_mb << 20),
+        )),
+        run_config=ray.train.RunConfig(
+            name=plan.run_id,
+            storage_path=plan.storage_path,
+            failure_config=ray.train.FailureConfig(max_failures=cluster.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            # DeepSpeed would look for CUDA first; on a CPU cluster it must use its CPU accelerator.
+            worker_runtime_env={} if cluster.use_gpu and cuda else {"env_vars": {"DS_ACCELERATOR": "cpu"}},
+        ),
+        # NCCL needs CUDA devices: GPU resources without them (a rehearsal on CPUs) train over gloo.
+        torch_config=None if cuda else TorchConfig(backend="gloo"),
+    )
 
 
 def finished_checkpoint(plan: JobPlan) -> ray.train.Checkpoint | None:

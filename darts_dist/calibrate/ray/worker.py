@@ -36,6 +36,7 @@ from darts_dist.calibrate.ray.stream import arrivals, stored_tokens, target_colu
 from darts_dist.config import CalibrationSection
 from darts_dist.core import (
     DartsCorrections,
+    LayerKey,
     attach_corrections,
     features_only,
     first_decoder_layer,
@@ -241,27 +242,13 @@ def drain(
                           torch.ones(1, 1, dtype=torch.long, device=device), captured)
             continue
         task, batch = item
-        merged = {}
-        if kept_layers:
-            ids, mask = (token_column(batch[name]).to(device) for name in ("input_ids", "attention_mask"))
-            with turn:
-                merged = merged_hidden(merged_model, ids, mask, captured)
-            if router is not None and task in router.tasks:
-                router.add(task, batch["row"], *row_prompt_features(merged[router.layer], mask,
-                                                                   token_column(batch["response_mask"])))
+        merged = _merged_forward(merged_model, task, batch, device, captured, turn, router) if kept_layers else {}
         # The merged states are kept in the dtype the targets travelled in: the store holds every hidden state at
         # the wire's width, and training upcasts a minibatch at a time.
         wire = _wire_name(batch[target_column(settings.loss_layers()[0])][0].dtype)
-        kept = {layer: to_wire(merged[layer], wire) for layer in kept_layers}
-        for i, row in enumerate(batch["row"]):
-            length = len(batch["input_ids"][i])
-            arrays = {**stored_tokens(batch, i), "entropy": batch["entropy"][i]}
-            for layer in settings.loss_layers():
-                received += batch[target_column(layer)][i].nbytes
-                arrays[target_column(layer)] = batch[target_column(layer)][i]
-            for layer in kept_layers:
-                arrays[merged_column(layer) if with_merged else START_COLUMN] = kept[layer][i, :length]
-            store.add(task, int(row), arrays)
+        kept = {merged_column(layer) if with_merged else START_COLUMN: to_wire(merged[layer], wire)
+                for layer in kept_layers}
+        received += _keep_rows(store, task, batch, kept, settings)
         if window is not None:
             window.leave.remote(task, [int(row) for row in batch["row"]])
         rows += len(batch["row"])
@@ -269,6 +256,38 @@ def drain(
         expert_memory[task] = max(expert_memory.get(task, 0), int(np.max(batch["memory"])))
         log(f"streamed {rows} rows ({rows / (time.perf_counter() - started):.1f} rows/s)")
     log(f"streamed {rows} rows in {time.perf_counter() - started:.1f} s", force=True)
+    return received
+
+
+def _merged_forward(
+    model: nn.Module, task: str, batch: dict[str, np.ndarray], device: torch.device, layers: list[LayerKey],
+    turn: ForwardTurn, router: RouterFeatures | None,
+) -> dict[LayerKey, torch.Tensor]:
+    """The merged model's states of a streamed batch at `layers` (in the node's turn), the router's prompt
+    features of its rows pooled on the way."""
+    ids, mask = (token_column(batch[name]).to(device) for name in ("input_ids", "attention_mask"))
+    with turn:
+        merged = merged_hidden(model, ids, mask, layers)
+    if router is not None and task in router.tasks:
+        router.add(task, batch["row"], *row_prompt_features(merged[router.layer], mask,
+                                                           token_column(batch["response_mask"])))
+    return merged
+
+
+def _keep_rows(store: FeatureStore, task: str, batch: dict[str, np.ndarray], kept: dict[str, torch.Tensor],
+               settings: CalibrationSection) -> int:
+    """Put each row of a streamed batch in the store, with the merged states `kept` (by column, [B, L, d]) cut to
+    its length; returns the bytes of the expert's hidden states the batch brought."""
+    received = 0
+    for i, row in enumerate(batch["row"]):
+        length = len(batch["input_ids"][i])
+        arrays = {**stored_tokens(batch, i), "entropy": batch["entropy"][i]}
+        for layer in settings.loss_layers():
+            received += batch[target_column(layer)][i].nbytes
+            arrays[target_column(layer)] = batch[target_column(layer)][i]
+        for column, states in kept.items():
+            arrays[column] = states[i, :length]
+        store.add(task, int(row), arrays)
     return received
 
 

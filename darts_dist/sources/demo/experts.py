@@ -59,7 +59,7 @@ class ExpertTraining:
     learning_rate: float = 1e-3
     num_samples: int = 512  # training rows per task, the first ones of its training file
     seed: int = 0
-    # "bf16" runs the matmuls under bf16 autocast (weights and optimizer stay fp32), an opt-in: 2-4x faster where the
+    # "bf16" runs the matmuls under bf16 autocast (weights and optimizer stay fp32), an opt-in: faster where the
     # CPU multiplies bf16 natively (AMX, AVX512-BF16), slower elsewhere, and its experts differ with the CPU.
     precision: Literal["bf16", "fp32"] = "fp32"
 

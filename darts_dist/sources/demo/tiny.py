@@ -178,6 +178,22 @@ class TinyFamily:
     experts: dict[str, Path]
 
 
+def _llama_config(shape: FamilyShape, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=shape.vocab_size or len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size or 2 * shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=shape.tie_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def make_tiny_family(
     out_dir: Path,
     tasks: Sequence[str] = ("code", "math", "instruct"),
@@ -219,19 +235,7 @@ def make_tiny_family(
     marker.unlink(missing_ok=True)
     tokenizer = build_tiny_tokenizer()
     tokenizer.model_max_length = shape.max_positions
-    config = LlamaConfig(
-        vocab_size=shape.vocab_size or len(tokenizer),
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size or 2 * shape.hidden_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        max_position_embeddings=shape.max_positions,
-        tie_word_embeddings=shape.tie_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = _llama_config(shape, tokenizer)
     # Seed a private RNG stream so building a family never disturbs the caller's.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
