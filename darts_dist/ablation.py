@@ -29,9 +29,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from transformers import PreTrainedModel
 
 from darts_dist.calibrate.coefficients import (
@@ -45,7 +46,7 @@ from darts_dist.calibrate.features import TaskFeatures, collect_features, collec
 from darts_dist.calibrate.layers import concrete_layers, with_concrete_layers
 from darts_dist.calibrate.loop import train_corrections
 from darts_dist.calibrate.router import fit_run_router
-from darts_dist.config import CalibrationSection, RunConfig, updated
+from darts_dist.config import CalibrationSection, RunConfig, format_errors, updated
 from darts_dist.core import LayerKey, TaskRouter, TaskVectors, TokenizedSet, features_only
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
@@ -123,6 +124,67 @@ class AblationPlan:
         return {name: VARIANTS[name](settings) for name in self.variants}
 
 
+class AblationRequest(BaseModel):
+    """What the ablation is asked for (the flags of `ablate` and `demo --ablate`), checked before any work; what
+    depends on the config (the default merge methods, the validation fraction tuning needs) is `plan_ablation`'s."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    merge_methods: tuple[str, ...] | None = None
+    trials: int = Field(default=0, ge=0)
+    validation_fraction: float | None = None
+    select: Literal[SELECT_METRICS] = "nll_gap_closed"
+    seeds: int = Field(default=1, ge=1)
+    deep_layers: tuple[object, ...] = DEFAULT_DEEP_LAYERS
+    extended: bool = True  # deep DARTS and the learned coefficients too, where `variants` does not name them
+    variants: tuple[str, ...] | None = None
+
+    @field_validator("merge_methods")
+    @classmethod
+    def _known_methods(cls, methods: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if methods is not None:
+            _each_once(methods, known_merge_methods(), "merge methods")
+        return methods
+
+    @field_validator("variants")
+    @classmethod
+    def _known_variants(cls, names: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if names is not None:
+            _each_once(names, (*VARIANTS, *EXTENDED), "variants")
+            if set(names) & set(EXTENDED) and "darts" not in names:
+                raise ValueError(f"{list(names)}: deep DARTS and the learned coefficients start from DARTS's "
+                                 "settings: add darts to the variants")
+        return names
+
+    @field_validator("deep_layers")
+    @classmethod
+    def _layers(cls, layers: tuple[object, ...]) -> tuple[object, ...]:
+        try:
+            CalibrationSection(layers=list(layers))
+        except ValidationError as error:
+            raise ValueError(f"{list(layers)}: {error.errors()[0]['msg']}; name decoder layer indices, final, or "
+                             "the sets all, every:N, changed") from None
+        return layers
+
+    @property
+    def chosen(self) -> tuple[str, ...]:
+        """The variants to run, in order: those named, else all (VARIANTS' alone, not `extended`)."""
+        return self.variants or ((*VARIANTS, *EXTENDED) if self.extended else tuple(VARIANTS))
+
+
+def _each_once(names: Sequence[str], known: Sequence[str], what: str) -> None:
+    unknown = sorted(set(names) - set(known))
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(f"{what} {list(names)}: unknown or repeated {unknown or 'names'}; name each once, from "
+                         f"{list(known)}")
+
+
+# What the request's fields are called on the command line, for its errors.
+REQUEST_FLAGS = {"merge_methods": "--merge-methods", "trials": "--tune (the tuning trials)",
+                 "validation_fraction": "--validation-fraction", "select": "--select (the tuning metric)",
+                 "seeds": "--seeds", "deep_layers": "--deep-layers (deep DARTS's layers)", "variants": "--variants"}
+
+
 def plan_ablation(
     config: RunConfig,
     merge_methods: Sequence[str] | None = None,
@@ -134,40 +196,31 @@ def plan_ablation(
     extended: bool = True,
     variants: Sequence[str] | None = None,
 ) -> AblationPlan:
-    """Check the request and derive every variant's settings from the config's calibration section.
+    """Check the request (`AblationRequest`) and derive every variant's settings from the config's calibration
+    section.
 
     merge_methods default: the config's method, then task_arithmetic and TIES; with tuning the
     validation fraction defaults to the config's, or 0.2 where the config holds none back. `variants`: names
     from VARIANTS and EXTENDED (default: all, or VARIANTS' alone where `extended` is False).
     """
-    known = (*VARIANTS, *EXTENDED)
-    chosen = tuple(variants) if variants else (known if extended else tuple(VARIANTS))
-    if set(chosen) - set(known) or len(set(chosen)) != len(chosen):
-        raise DartsError(f"variants {list(chosen)}: unknown or repeated {sorted(set(chosen) - set(known)) or 'names'}",
-                         f"name each once, from {list(known)}")
-    if set(chosen) & set(EXTENDED) and "darts" not in chosen:
-        raise DartsError(f"variants {list(chosen)}: deep DARTS and the learned coefficients start from DARTS's "
-                         "settings", "add darts to the variants")
-    names = tuple(name for name in chosen if name in VARIANTS)
-    methods = tuple(merge_methods) if merge_methods else tuple(dict.fromkeys((config.merge.method, *DEFAULT_MERGE_METHODS)))
+    try:
+        request = AblationRequest(
+            merge_methods=tuple(merge_methods) if merge_methods else None, trials=trials,
+            validation_fraction=validation_fraction, select=select, seeds=seeds, deep_layers=tuple(deep_layers),
+            extended=extended, variants=tuple(variants) if variants else None)
+    except ValidationError as error:
+        raise DartsError(f"the ablation's request is not valid:\n{format_errors(error, REQUEST_FLAGS)}",
+                         "fix the flags above (`darts-dist ablate --help` lists them)") from None
+    methods = request.merge_methods or tuple(dict.fromkeys((config.merge.method, *DEFAULT_MERGE_METHODS)))
     if config.merge.mergekit_yaml is not None:
         raise DartsError(f"the ablation merges with each of {list(methods)}, but merge.mergekit_yaml fixes one merge",
                          "remove merge.mergekit_yaml and set merge.method / merge.parameters instead")
-    unknown = sorted(set(methods) - set(known_merge_methods()))
-    if unknown or len(set(methods)) != len(methods):
-        raise DartsError(f"merge methods {list(methods)}: unknown or repeated {unknown or 'names'}",
-                         f"name each once, from {list(known_merge_methods())}")
-    if trials < 0:
-        raise DartsError(f"the number of tuning trials must be 0 (no tuning) or more, got {trials}")
-    if seeds < 1:
-        raise DartsError(f"the number of seeds must be 1 or more, got {seeds}")
-    try:
-        updated(config.calibration, layers=list(deep_layers))
-    except ValidationError as error:
-        raise DartsError(f"deep DARTS's layers {list(deep_layers)}: {error.errors()[0]['msg']}",
-                         "name decoder layer indices, final, or the sets all, every:N, changed") from None
-    if select not in SELECT_METRICS:
-        raise DartsError(f"unknown tuning metric {select!r}", f"use one of {list(SELECT_METRICS)}")
+    if request.merge_methods is None:  # the config's own method, which the config has checked, and the defaults
+        try:
+            AblationRequest(merge_methods=methods)
+        except ValidationError as error:
+            raise DartsError(f"the ablation's merge methods:\n{format_errors(error, REQUEST_FLAGS)}",
+                             "name them with --merge-methods") from None
     settings = config.calibration
     fraction = validation_fraction if validation_fraction is not None else settings.validation_fraction
     if trials and fraction == 0:
@@ -176,8 +229,9 @@ def plan_ablation(
         raise DartsError(f"validation fraction {fraction}: tuning needs one in (0, 1)", "e.g. --validation-fraction 0.2")
     config = updated(config, calibration=updated(settings, validation_fraction=fraction))
     settings = config.calibration
-    return AblationPlan(config, methods, {name: VARIANTS[name](settings) for name in names}, trials, select,
-                        seeds, tuple(deep_layers), DEEP in chosen, COEFFICIENTS in chosen)
+    chosen = request.chosen
+    return AblationPlan(config, methods, {name: VARIANTS[name](settings) for name in chosen if name in VARIANTS},
+                        trials, select, seeds, tuple(deep_layers), DEEP in chosen, COEFFICIENTS in chosen)
 
 
 # --- execution --------------------------------------------------------------------------------

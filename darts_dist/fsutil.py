@@ -9,6 +9,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import platformdirs
+
 
 @contextlib.contextmanager
 def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
@@ -65,9 +67,9 @@ def umask() -> int:
 
 
 def cache_root() -> Path:
-    """Where darts-dist caches converted models, demo data and experts."""
+    """Where darts-dist caches converted models, demo data and experts: DARTS_DIST_CACHE, else the platform's user
+    cache folder (on Linux $XDG_CACHE_HOME/darts-dist, else ~/.cache/darts-dist)."""
     env = os.environ.get("DARTS_DIST_CACHE")
     if env:
         return Path(env).expanduser().absolute()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "darts-dist"
+    return Path(platformdirs.user_cache_dir("darts-dist", appauthor=False))
