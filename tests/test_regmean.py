@@ -152,7 +152,7 @@ def test_a_regmean_merge_of_one_expert_is_that_expert(tiny_family, tmp_path: Pat
 
 
 def test_a_failed_regmean_merge_leaves_no_folder(tiny_family, tmp_path: Path, monkeypatch) -> None:
-    from darts_dist.calibrate import regmean
+    from darts_dist.merge import regmean
 
     def failing(*args, **kwargs):
         raise DartsError("the solve failed", "nothing")
