@@ -1,7 +1,7 @@
 """evaluation_efficiency: wall time of `evaluate` ÷ wall time of the bare forward and generation passes it needs.
 
 Same machine, same run. `evaluate` is the evaluate stage as `darts-dist evaluate CONFIG` runs it
-(`pipeline.evaluate_stage`): models loaded, every expert's held-out and reference-answer passes, the merged
+(`evaluate.stage.evaluate_stage`): models loaded, every expert's held-out and reference-answer passes, the merged
 and corrected passes, the tallies, and the task scores of the base, each expert, the merged and the corrected
 model, generated and checked. The floor is the same models' forward passes over the same batches (logits
 included; for the corrected model, the LM head again on the tokens NLL counts) and the same greedy answers
@@ -15,6 +15,7 @@ the first run's, what a repeat `darts-dist demo` pays for its evaluation.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from darts_dist.evaluate.evaluator import Evaluator
 from darts_dist.evaluate.stage import evaluate_stage
 from darts_dist.evaluate.task_scores import canonical_set, completions
 from darts_dist.generation import CorrectedLM
+from darts_dist.plan.check import driver_holds_evaluation
 from darts_dist.sources.corrections import save_corrections_for
 from darts_dist.sources.data import tokenized
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, read_model_info, resolve_device
@@ -121,13 +123,15 @@ def main() -> None:
     model = "tiny" if args.tiny else "SmolLM2-135M-Instruct + demo experts"
     with tempfile.TemporaryDirectory(prefix="evaluation-cache-") as folder:
         first = OutputCache(Path(folder))
-        wall = timed(lambda: evaluate_stage(config, sources, merged_dir, path, cache=first))
+        holds = functools.partial(driver_holds_evaluation, config)
+        wall = timed(lambda: evaluate_stage(config, sources, merged_dir, path, cache=first, driver_holds_models=holds))
         emit("evaluation_efficiency", wall, floor["total"], "s", target_ratio=1.3,
              floor={k: round(v, 2) for k, v in floor.items()}, score_limit=args.score_limit, model=model,
              executor=args.executor, output_cache=first.counts())
         note(f"evaluate {wall:.1f} s (output cache filled); now a repeat on that cache")
         repeat = OutputCache(Path(folder))
-        again = timed(lambda: evaluate_stage(config, sources, merged_dir, path, cache=repeat))
+        again = timed(lambda: evaluate_stage(config, sources, merged_dir, path, cache=repeat,
+                                             driver_holds_models=holds))
         emit("evaluation_repeat", again, wall, "s", score_limit=args.score_limit, model=model,
              executor=args.executor, output_cache=repeat.counts())
 

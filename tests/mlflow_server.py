@@ -35,11 +35,14 @@ def mlflow_server(data: Path, port: int) -> Iterator[subprocess.Popen]:
 def stop(process: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 3.0) -> None:
     """Send `sig` to the process's group (by default: stop the server and its workers at once, as a crash would,
     the data being throwaway), and SIGKILL what is left after `grace_s`."""
-    if process.poll() is not None:
+    try:
+        os.killpg(process.pid, sig)  # the whole group, also where its leader has exited and children are left
+    except ProcessLookupError:  # nothing of the group is left
+        process.wait()
         return
-    os.killpg(process.pid, sig)
     try:
         process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait()

@@ -31,6 +31,7 @@ from darts_dist.config import parse_config
 from darts_dist.core import load_corrections, prompt_features, save_corrections
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.stage import evaluate_stage
+from darts_dist.plan.check import driver_holds_evaluation
 from darts_dist.sources.corrections import corrections_metadata
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 from darts_dist.sources.references import demo_data, resolve_sources
@@ -73,7 +74,8 @@ def bias_reduction(config, tiny_family, corrections) -> float:
     """Held-out bias reduction of in-memory corrections, as `darts-dist evaluate` measures it."""
     path = save_corrections(config.run_dir / "job.safetensors", corrections,
                             metadata=corrections_metadata(tiny_family.base))
-    return evaluate_stage(config, resolve_sources(config), tiny_family.base, path)["overall"]["bias_reduction"]
+    return evaluate_stage(config, resolve_sources(config), tiny_family.base, path,
+                          driver_holds_models=lambda: driver_holds_evaluation(config))["overall"]["bias_reduction"]
 
 
 def assert_every_row_once(job: JobResult, sizes: dict[str, int], workers: int) -> None:

@@ -69,7 +69,8 @@ def judged(tiny_family, tmp_path_factory):
             p.add_(0.1 * torch.randn_like(p))
     path = save_corrections_for(folder / "corrections.safetensors", corrections, merged_dir)
     router = Path(fit_run_router(local, sources.data, merged_dir, "final")["path"])
-    want = evaluate_stage(local, sources, merged_dir, path, router, OutputCache(folder / "local-cache"))
+    want = evaluate_stage(local, sources, merged_dir, path, router, OutputCache(folder / "local-cache"),
+                          driver_holds_models=lambda: driver_holds_evaluation(local))
     return merged_dir, path, router, want
 
 
@@ -78,7 +79,8 @@ def test_the_ray_evaluation_equals_the_in_process_one(tiny_family, tmp_path: Pat
     on_ray = _config(tiny_family, tmp_path, "ray")
     assert uses_ray(on_ray)
     cache = OutputCache(tmp_path / "ray-cache")
-    got = evaluate_stage(on_ray, resolve_sources(on_ray), merged_dir, path, router, cache)
+    got = evaluate_stage(on_ray, resolve_sources(on_ray), merged_dir, path, router, cache,
+                         driver_holds_models=lambda: driver_holds_evaluation(on_ray))
     assert_close(got, want)
     scored = want["tasks"]["math"]
     assert scored["score_n"] == 3 and "score_base" in scored and "score_routed" in scored
@@ -118,4 +120,5 @@ def test_a_model_an_actor_cannot_load_is_reported_as_the_input_error(
     broken = Path(shutil.copytree(tiny_family.experts["instruct"], tmp_path / "broken"))
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(DartsError, match="cannot load the weights"):
-        evaluate_stage(config, resolve_sources(config), broken, path, router, OutputCache(tmp_path / "cache"))
+        evaluate_stage(config, resolve_sources(config), broken, path, router, OutputCache(tmp_path / "cache"),
+                       driver_holds_models=lambda: driver_holds_evaluation(config))

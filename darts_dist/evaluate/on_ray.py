@@ -126,7 +126,7 @@ def evaluate_on_ray(
     corrections_path: Path | None, router_path: Path | None, score_base: bool, cache: OutputCache | None = None,
     driver_holds_models: Callable[[], bool] = lambda: True, memory: dict[str, int] | None = None,
 ) -> dict[str, object] | None:
-    """`pipeline.evaluate_stage`'s result, its models' passes in actors of their own on the cluster
+    """`evaluate.stage.evaluate_stage`'s result, its models' passes in actors of their own on the cluster
     (`cluster.address` or RAY_ADDRESS, else a local one); `cache` counts what the actors read back from their
     output caches and what they computed; `memory` gets each actor's peak memory by model.
 

@@ -32,7 +32,7 @@ def base_scores(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device
 def evaluate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None,
     router_path: Path | None = None, cache: OutputCache | None = None, memory: dict[str, int] | None = None,
-    driver_holds_models: Callable[[], bool] = lambda: True,
+    *, driver_holds_models: Callable[[], bool],
 ) -> dict[str, object]:
     """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert (and routed, with a router).
 

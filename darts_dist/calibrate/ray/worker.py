@@ -65,7 +65,7 @@ def rows_file(rank: int) -> str:
 
 
 def prompts_file(rank: int) -> str:
-    """Per worker: the router's features of its rows' prompts (calibrate.features.row_prompt_features), keyed
+    """Per worker: the router's features of its rows' prompts (core.row_prompt_features), keyed
     "task/row"."""
     return f"prompts-{rank}.npz"
 
