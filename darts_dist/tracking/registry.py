@@ -53,7 +53,7 @@ DECISION_TAG = "darts.alias_decision"
 # The code the model runs: this package, copied into the model (MLflow's code_paths), so the model loads
 # where darts-dist is not installed; and the distributions that code imports, pinned to what logged it.
 PACKAGE_DIR = Path(__file__).absolute().parent.parent
-_REQUIREMENTS = ("mlflow", "torch", "transformers", "safetensors", "pandas", "pydantic", "pyyaml", "tqdm")
+_REQUIREMENTS = ("mlflow", "torch", "transformers", "safetensors", "pandas", "pydantic", "pyyaml", "tqdm", "platformdirs")
 
 
 def registered_model_name(config: RunConfig) -> str:
