@@ -21,12 +21,12 @@ def family_config(
     data.mkdir(parents=True, exist_ok=True)
     for task in tasks:
         (data / f"{task}.jsonl").write_text("".join(json.dumps({"text": text(task, i)}) + "\n" for i in range(count)))
-    files = {"heldout": ""} if heldout else {}
     return {
         "name": name,
         "sources": {"base": str(family.base), "experts": [
             {"task": t, "path": str(family.experts[t]),
-             "data": {"calibration": f"data/{t}.jsonl", **{k: f"data/{t}.jsonl" for k in files}}} for t in tasks]},
+             "data": {"calibration": f"data/{t}.jsonl", **({"heldout": f"data/{t}.jsonl"} if heldout else {})}}
+            for t in tasks]},
         "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
         **sections,
     }
