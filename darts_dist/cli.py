@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from rich.console import Console
 from rich.table import Table
@@ -17,6 +17,7 @@ from rich.text import Text
 
 from darts_dist.config import (
     CORRECTIONS_FILE,
+    ComputeDtype,
     RunConfig,
     TrackingSection,
     is_mergekit_yaml,
@@ -37,6 +38,7 @@ logger = logging.getLogger("darts_dist.cli")
 
 
 # Wide enough for the result table when output goes to a file or CI log (rich assumes 80 there).
+DTYPES = get_args(ComputeDtype)
 console = Console(width=None if sys.stdout.isatty() else 240)  # piped: wide enough for the score and plan tables
 errors = Console(stderr=True, soft_wrap=True)  # paths in messages stay on one line
 
@@ -292,7 +294,7 @@ def cmd_register(args: argparse.Namespace) -> None:
     client = connect(tracking_uri(configured))
     if report_path is not None:
         _complete_offline_run(client, report_path)
-    registration = register_run(client, run_id, name=args.name, alias=args.alias)
+    registration = register_run(client, run_id, name=args.name, alias=args.alias, dtype=args.dtype)
     console.print(f"registered: {registration.model_uri}; {registration.decision}")
     if args.report:
         _finish({"tracking": {"uri": client.tracking_uri, "run_id": run_id, **registration.to_dict()}},
@@ -344,7 +346,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     from darts_dist.export import export_model, read_source
 
     source = read_source(args.source, tracking=args.tracking_uri)
-    out = export_model(source, args.out, fmt=args.format, task=args.task, overwrite=args.overwrite)
+    out = export_model(source, args.out, fmt=args.format, task=args.task, overwrite=args.overwrite, dtype=args.dtype)
     console.print(f"exported ({args.format}): {out}")
 
 
@@ -357,7 +359,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     api_key = resolve_api_key(args.api_key, args.api_key_file)
     source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
                                    router=args.router, name=args.name)
-    settings = serve_settings(config, args.config, host=args.host, port=args.port)
+    settings = serve_settings(config, args.config, host=args.host, port=args.port, dtype=args.dtype)
     check_serving(source, config, settings, os.environ.get("RAY_ADDRESS"))
     run_foreground(source, settings, api_key, say=console.print)
 
@@ -376,7 +378,7 @@ def cmd_serve_deploy(args: argparse.Namespace) -> None:
                          "python jobs/run.py serve-deploy MODEL_URI`); `darts-dist serve` serves from this machine")
     source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
                                    router=args.router, name=args.name)
-    settings = serve_settings(config, args.config, host=args.host, port=args.port)
+    settings = serve_settings(config, args.config, host=args.host, port=args.port, dtype=args.dtype)
     check_serving(source, config, settings, address)
     init_ray(address=address)
     url = start(source, settings, api_key, detached=True)
@@ -465,6 +467,9 @@ def _run_commands(command: Command) -> dict[str, argparse.ArgumentParser]:
     register.add_argument("run", metavar="RUN_ID_OR_RUN_DIR", help="an MLflow run id, or a run folder with its report")
     register.add_argument("--name", default=None, help="registered model name (default: the run's config)")
     register.add_argument("--alias", default=None, help="alias to decide on (default: the run's tracking.alias)")
+    register.add_argument("--dtype", choices=DTYPES, default=None,
+                          help="the dtype the registered model computes in, and its check before registration "
+                          "(default: the run's calibration.dtype)")
 
     validate = command("validate", "check a darts-dist or mergekit YAML without doing any work", cmd_validate)
     validate.add_argument("config", type=Path)
@@ -483,6 +488,8 @@ def _serving_commands(command: Command) -> None:
                        help="models:/NAME@ALIAS, models:/NAME/VERSION, a run folder, or a merged model folder")
         p.add_argument("--host", default=None, help="address to bind (default: serve.host, 127.0.0.1)")
         p.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
+        p.add_argument("--dtype", choices=DTYPES, default=None,
+                       help="the replicas' compute dtype (default: serve.dtype, else the run's calibration.dtype)")
         p.add_argument("--api-key-file", type=Path, default=None,
                        help="require 'Authorization: Bearer KEY', KEY the file's first line (else $DARTS_DIST_API_KEY)")
         p.add_argument("--api-key", default=None,
@@ -516,6 +523,9 @@ def _serving_commands(command: Command) -> None:
                         help="the correction applied when a call names none: a task, merged or routed "
                         "(default routed, given a router)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    export.add_argument("--dtype", choices=[name for name in DTYPES if name != "auto"], default=None,
+                        help="the exported weights' dtype, which transformers loads with dtype='auto' (default: the "
+                        "merged model's own)")
     export.add_argument("--tracking-uri", default=None, help="the registry for models:/ URIs (default: "
                         "MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
 
@@ -576,6 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_flags(p, "--score-limit", "--output-dir")
     for p in (demo, calibrate, recalibrate):
         add_config_flags(p, "--address", "--in-process")
+    for p in (demo, calibrate, recalibrate, evaluate, ablate, sweep):
+        add_config_flags(p, "--dtype")
     for p in (demo, merge, calibrate, recalibrate, evaluate, register, ablate, sweep):
         p.add_argument("--report", type=Path, default=None, help="write a JSON report here")
     return parser

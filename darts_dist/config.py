@@ -127,6 +127,9 @@ class MergeSection(_Section):
     others: MergeOthers | None = None  # regmean only: the mergekit method for the other tensors
     mergekit_yaml: Path | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Where the driver computes the merge (mergekit's tensors, RegMean's float64 solve): cpu; cuda, the driver's
+    # GPU (refused where it has none); auto, its GPU where it has one.
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
     output: Path | None = None
 
     @model_validator(mode="after")
@@ -183,6 +186,16 @@ class CoefficientSection(_Section):
 
 
 WIDE_HIDDEN_SIZE = 2048  # from here on, hidden states travel in bf16 on CPUs (wire_dtype: auto)
+# The dtype a model role computes in: a torch dtype's name, or auto (bfloat16 on GPUs, float32 on CPUs).
+ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def compute_dtype_name(name: str, on_gpu: bool) -> str:
+    """The dtype a role set to `name` computes in on a GPU (`on_gpu`) or a CPU: `auto` is bfloat16 on GPUs and
+    float32 on CPUs (where bf16 is slow on most processors); any other name holds on every device."""
+    if name == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    return name
 
 
 @dataclass(frozen=True)
@@ -233,21 +246,26 @@ class CalibrationSection(_Section):
     traffic_share: Annotated[float, Flag("--traffic-share", "share of the calibration samples taken from the captured "
                                          "prompts", "X")] = Field(default=0.5, ge=0.0, le=1.0)
     seed: int = 0
-    # The frozen models' dtype on GPUs (what a 7B user picks: half the memory, the tensor cores' rate); the CPU
-    # computes fp32 whatever this says, and the corrections and their optimizer state are fp32 everywhere.
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # The dtype every model role computes in (expert actors, training workers, Gram actors, the router, the
+    # evaluation, the registered model's check), on GPUs and CPUs alike; auto: bfloat16 on GPUs (what a 7B user
+    # picks: half the memory, the tensor cores' rate), float32 on CPUs. The corrections and their optimizer
+    # state are fp32 whatever this says.
+    dtype: Annotated[ComputeDtype, Flag("--dtype", "the dtype every model role computes in (auto: bfloat16 on "
+                                        "GPUs, float32 on CPUs)", "{auto,float32,bfloat16,float16}")] = "auto"
     device: str = "auto"
     # The dtype expert hidden states travel and are kept in on the workers (upcast to fp32 per minibatch). auto:
-    # on GPUs the dtype the experts compute in; on CPUs bfloat16 for wide models (hidden size >= 2048: half the
-    # bytes of the stream, the object store and the spill disk, for bf16 rounding of the targets) and fp32 below.
+    # the dtype the experts compute in, except that experts computing fp32 on CPUs send bfloat16 for wide models
+    # (hidden size >= 2048: half the bytes of the stream, the object store and the spill disk, for bf16 rounding
+    # of the targets).
     wire_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     def wire_dtype_for(self, hidden_size: int, on_gpu: bool) -> str:
         """The dtype hidden states travel in, from experts of `hidden_size` on GPUs (`on_gpu`) or CPUs."""
         if self.wire_dtype != "auto":
             return self.wire_dtype
-        if on_gpu:
-            return self.dtype
+        computed = compute_dtype_name(self.dtype, on_gpu)
+        if on_gpu or computed != "float32":
+            return computed
         return "bfloat16" if hidden_size >= WIDE_HIDDEN_SIZE else "float32"
 
     @field_validator("layers")
@@ -419,7 +437,9 @@ class ServeSection(_Section):
     prefix_cache_tokens: int = Field(default=PREFIX_CACHE_TOKENS, ge=0)
     use_gpu: bool = False  # one GPU per replica
     num_cpus: float = Field(default=1.0, gt=0.0)  # per replica; also its torch threads
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # on GPUs; the CPU computes fp32
+    # The replicas' compute dtype; auto: the run's calibration.dtype (so the served model computes as it was
+    # evaluated), which is itself auto by default: bfloat16 on GPUs, float32 on CPUs.
+    dtype: ComputeDtype = "auto"
     # The routed model id picks a task when the router's confidence reaches this, else no correction;
     # "soft" mixes the corrections with the router's probabilities instead of taking the top task.
     router_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
@@ -518,6 +538,14 @@ class RunConfig(_Section):
         """Whether the run's models are on GPU actors (Ray with cluster.use_gpu): no model forward then runs on
         the driver, whose node (a cluster's head) may have no GPU and too little memory for the models."""
         return self.cluster.on_ray and self.cluster.use_gpu
+
+    @property
+    def serving(self) -> ServeSection:
+        """The serve section as the replicas take it: `serve.dtype: auto` is the run's compute dtype
+        (calibration.dtype), so the served model computes as the run evaluated it."""
+        if self.serve.dtype != "auto":
+            return self.serve
+        return updated(self.serve, dtype=self.calibration.dtype)
 
     @property
     def merged_dir(self) -> Path:

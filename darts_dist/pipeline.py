@@ -22,7 +22,7 @@ from darts_dist.calibrate.coefficients import COEFFICIENTS_FILE, learned_merge
 from darts_dist.calibrate.executors import executor_for
 from darts_dist.calibrate.layers import with_concrete_layers
 from darts_dist.calibrate.router import fit_run_router
-from darts_dist.config import RUN_CONFIG_FILE, RunConfig
+from darts_dist.config import REGMEAN_RECORD, RUN_CONFIG_FILE, RunConfig
 from darts_dist.core import ROUTER_FILE, read_header
 from darts_dist.evaluate.plots import (
     plot_bias_by_position,
@@ -34,6 +34,8 @@ from darts_dist.evaluate.plots import (
 from darts_dist.evaluate.stage import evaluate_stage
 from darts_dist.fsutil import atomic_file
 from darts_dist.memory import PeakMemory
+from darts_dist.merge.mergekit import REGMEAN
+from darts_dist.merge.regmean import COMPUTED_ON
 from darts_dist.merge.stage import merge_stage
 from darts_dist.plan.check import driver_holds_evaluation
 from darts_dist.ray_cluster.placement import placement_tags
@@ -42,7 +44,7 @@ from darts_dist.sources.references import ResolvedSources, resolve_sources
 from darts_dist.tracking.registry import (
     DECISION_TAG,
     Registration,
-    log_pyfunc_model,
+    log_checked_model,
     register_version,
     registered_model_name,
 )
@@ -93,6 +95,15 @@ class RunState:
             held[stage] = max(held.get(stage, 0), memory.stop())
 
 
+def merge_compute(config: RunConfig, merged_dir: Path) -> dict[str, str]:
+    """Where the merge's models computed, by role: RegMean's Gram actors (their record says), none for mergekit's
+    merges, which run no model."""
+    if config.merge.method != REGMEAN:
+        return {}
+    tasks = yaml.safe_load((merged_dir / REGMEAN_RECORD).read_text())["grams"]["tasks"]
+    return {f"Gram actor ({task})": seen[COMPUTED_ON] for task, seen in tasks.items() if COMPUTED_ON in seen}
+
+
 def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
     """sources → merge; the run folder gets the validated config (RUN_DIR/config.yaml), so it is a complete
     record that `darts-dist serve RUN_DIR` can serve. With a session, the config goes on its parent run and
@@ -112,6 +123,7 @@ def prepare(config: RunConfig, tracking: Tracking | None = None) -> RunState:
         "plots": {},
         "seconds": {"sources": sources_seconds, "merge": round(time.perf_counter() - started - sources_seconds, 1)},
         "driver_memory": {"merge": merge_memory.stop()},
+        "compute": merge_compute(config, merged_dir),
     }
     if tracking is not None:
         log_config(tracking, config)
@@ -178,6 +190,7 @@ def run_calibration(state: RunState) -> Path | None:
     losses = outcome.result.losses
     state.report["corrections"] = str(outcome.corrections_path)
     state.report["model"] = str(model_dir)
+    state.report.setdefault("compute", {}).update(outcome.compute)
     state.report["calibration"] = {
         "executor": config.cluster.executor,
         "steps": len(losses),
@@ -194,6 +207,7 @@ def run_calibration(state: RunState) -> Path | None:
         state.report["router"] = fit_run_router(config, state.sources.data, model_dir,
                                                 config.calibration.headline_layer(),
                                                 calibration_features=outcome.prompt_features)
+    state.report["compute"]["router"] = state.report["router"]["compute"]
     plots = {
         "loss": plot_loss(losses, config.run_dir / "plots" / "loss.png"),
         "entropy_weights": plot_entropy_weights(
@@ -283,7 +297,8 @@ def run_evaluation(state: RunState, corrections: Path | None) -> dict[str, objec
     with state.timed("evaluation"):
         memory: dict[str, int] = {}
         evaluation = evaluate_stage(state.config, state.sources, state.merged_dir, corrections, router, cache, memory,
-                                    driver_holds_models=lambda: driver_holds_evaluation(state.config))
+                                    driver_holds_models=lambda: driver_holds_evaluation(state.config),
+                                    compute=state.report.setdefault("compute", {}))
     if memory:  # each evaluation actor's peak memory: what the plan's evaluation roles hold, measured
         state.report["evaluation_memory"] = memory
     state.report["variants"] = {"darts": evaluation}
@@ -325,15 +340,9 @@ def register_calibration(state: RunState) -> Registration | None:
         tracking.set_tags(run_id, {DECISION_TAG: decision})
         state.report["tracking"]["decision"] = decision
         return None
-    corrections = Path(state.report["corrections"])
-    args = (tracking.uri, run_id, Path(state.report["model"]), corrections, config.tasks[0],
-            Path(state.report["router"]["path"]))
-    if config.models_on_gpus:  # MLflow's check of the logged model loads it: on a GPU, not on the driver
-        from darts_dist.ray_cluster.remote import run_as_expert
-
-        logged = run_as_expert(config.cluster, "the logged model's check", log_pyfunc_model, *args)
-    else:
-        logged = log_pyfunc_model(*args)
+    logged, state.report["compute"]["registration check"] = log_checked_model(
+        config, tracking.uri, run_id, Path(state.report["model"]), Path(state.report["corrections"]),
+        Path(state.report["router"]["path"]))
     registration = register_version(
         tracking.client, registered_model_name(config), logged, run_id, config.tracking.alias
     )

@@ -309,7 +309,8 @@ def learned_merge(
 ) -> Path:
     """The learned merge as a model folder (mergekit's own output of the layer-wise YAML, which it keeps as
     mergekit_config.yml) with the coefficients and the fit's losses in coefficients.json."""
-    merged = run_merge(layerwise_mergekit_config(base, experts, fit, config.merge.dtype), out_dir, overwrite=True)
+    merged = run_merge(layerwise_mergekit_config(base, experts, fit, config.merge.dtype), out_dir, overwrite=True,
+                       device=config.merge.device)
     with atomic_file(merged / COEFFICIENTS_FILE) as tmp:
         tmp.write_text(json.dumps({"experts": list(fit.experts), "coefficients": fit.table(),
                                    "layers": [str(k) for k in fit.layers],

@@ -16,7 +16,7 @@ from darts_dist.config import CORRECTIONS_FILE, RunConfig
 from darts_dist.core import features_only, row_prompt_features
 from darts_dist.sources.corrections import save_corrections_for
 from darts_dist.sources.data import calibration_sets
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_compute, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources
 
 
@@ -47,5 +47,5 @@ def calibrate_stage(
     path = save_corrections_for(config.run_dir / CORRECTIONS_FILE, result.corrections, merged_dir)
     return CalibrationOutcome(
         corrections_path=path, result=result, entropy_weights={f.task: token_weights(f, settings) for f in features},
-        prompt_features=prompt_features,
+        prompt_features=prompt_features, compute={"calibration (in-process)": model_compute(merged)},
     )

@@ -27,6 +27,9 @@ class CalibrationOutcome:
     # The router's features of each task's calibration prompts ([rows with a prompt, d], at the headline
     # layer), where calibration ran the merged model over rows with a prompt/response boundary anyway.
     prompt_features: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Each role's device and dtype, as it ran (sources.models.compute_label), by role: "expert actor (TASK)" and
+    # "calibration worker" on Ray, "calibration (in-process)" here.
+    compute: dict[str, str] = field(default_factory=dict)
 
 
 def token_weights(features: TaskFeatures, settings: CalibrationSection) -> torch.Tensor:

@@ -18,9 +18,11 @@ from darts_dist.core import ROUTER_FILE, LayerKey, TaskRouter, prompt_features
 from darts_dist.errors import DartsError
 from darts_dist.sources.data import TaskFiles, detect_format, prompts_of, split_rows
 from darts_dist.sources.models import (
+    compute_label,
     encode_prompt,
     load_causal_lm,
     load_tokenizer,
+    model_compute,
     model_dtype,
     model_identity,
     pad_id,
@@ -101,10 +103,11 @@ def _labelled_features(
 def router_features(
     config: RunConfig, data: Mapping[str, TaskFiles], merged_dir: Path, layer: LayerKey, known: Mapping[str, Tensor],
     model: PreTrainedModel | None = None,
-) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, int]]:
+) -> tuple[dict[str, tuple[Tensor, Tensor]], dict[str, int], str]:
     """Labelled features (pooled prompt states, task indices) by split: the calibration prompts (`known` tasks' as
-    given) and, where there is held-out data, the held-out ones; and the output cache's counts. The merged model
-    (`model`, else loaded on first need, once for both splits) runs only for features the cache does not hold."""
+    given) and, where there is held-out data, the held-out ones; the output cache's counts; and where the merged
+    model computes (`compute_label`). The merged model (`model`, else loaded on first need, once for both splits)
+    runs only for features the cache does not hold."""
     settings, tasks = config.calibration, config.tasks
     tokenizer = load_tokenizer(merged_dir)
     device = resolve_device(settings.device)
@@ -126,7 +129,8 @@ def router_features(
         features, labels = _labelled_features(tasks, prompts, given, merged, tokenizer, layer, settings.batch_size,
                                               cache, identity)
         labelled[split] = (features.cpu(), labels)
-    return labelled, cache.counts() if cache is not None else {"hits": 0, "misses": 0}
+    counts = cache.counts() if cache is not None else {"hits": 0, "misses": 0}
+    return labelled, counts, model_compute(model) if model is not None else compute_label(device, dtype)
 
 
 def fit_run_router(
@@ -150,15 +154,15 @@ def fit_run_router(
     if config.models_on_gpus and model is None:
         from darts_dist.ray_cluster.remote import run_as_expert
 
-        labelled, counts = run_as_expert(config.cluster, "the router's merged model", router_features, *args)
+        labelled, counts, compute = run_as_expert(config.cluster, "the router's merged model", router_features, *args)
     else:
-        labelled, counts = router_features(*args, model)
+        labelled, counts, compute = router_features(*args, model)
     features, labels = labelled["calibration"]
     router = fit_router(features, labels, tasks, layer, threshold=config.serve.router_threshold)
     train_accuracy = router.accuracy(features, labels)
     router.save(path, metadata={"train_accuracy": train_accuracy, "train_prompts": len(labels)})
     report: dict[str, Any] = {"path": str(path), "layer": layer, "threshold": router.threshold,
-                              "train_accuracy": train_accuracy}
+                              "train_accuracy": train_accuracy, "compute": compute}
     if "heldout" in labelled:
         features, labels = labelled["heldout"]
         report["accuracy"] = router.accuracy(features, labels)

@@ -22,7 +22,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from darts_dist.config import RunConfig
 from darts_dist.core import DartsCorrections, TaskRouter, TokenizedSet
-from darts_dist.evaluate.passes import Outputs, Reference, TaskTally, corrected_outputs, merged_outputs, reference
+from darts_dist.evaluate.passes import (
+    HOST,
+    Outputs,
+    Reference,
+    TaskTally,
+    corrected_outputs,
+    merged_outputs,
+    reference,
+)
 from darts_dist.evaluate.statistics import passes_text
 from darts_dist.evaluate.tables import overall
 from darts_dist.evaluate.task_scores import (
@@ -80,11 +88,6 @@ class ExpertSide:
     passes: list[bool] | None  # the expert's own task score, problem by problem
     base_passes: list[bool] | None  # the base model's (before fine-tuning) on the same problems
 
-    def to(self, device: torch.device) -> ExpertSide:
-        """The side with its passes' tensors on `device`."""
-        return replace(self, **{name: [ref.to(device) for ref in getattr(self, name)]
-                                for name in ("heldout", "validation", "canonical")})
-
     def with_base(self, base_passes: list[bool] | None) -> ExpertSide:
         return replace(self, base_passes=base_passes)
 
@@ -97,11 +100,6 @@ class MergedSide:
     validation: list[Outputs]
     canonical: list[Outputs]
     passes: list[bool] | None
-
-    def to(self, device: torch.device) -> MergedSide:
-        """The side with its outputs' tensors on `device`."""
-        return replace(self, **{name: [out.to(device) for out in getattr(self, name)]
-                                for name in ("heldout", "validation", "canonical")})
 
 
 class Evaluator:
@@ -146,7 +144,7 @@ class Evaluator:
             return compute()
         key = digest(kind.__name__, identity, str(self.layer), size, data.input_ids, data.attention_mask,
                      data.response_mask)
-        return self.cache.records(key, compute, kind, next(model.parameters()).device)
+        return self.cache.records(key, compute, kind, HOST)
 
     def _answers(
         self, lm: CorrectedLM, scorer: Scorer | None, problems: list[Problem], label: str, identity: str | None,

@@ -31,12 +31,11 @@ from darts_dist.ray_cluster.cpu_share import cpu_share, node_cores, per_node
 from darts_dist.ray_cluster.placement import alive_nodes, expert_actor_options, expert_bundle
 from darts_dist.ray_cluster.remote import expert_cluster, get_or_raise, ray_session
 from darts_dist.sources.data import TaskFiles
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_compute, model_dtype, resolve_device
 from darts_dist.sources.output_cache import OutputCache
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-CPU = torch.device("cpu")
 
 
 def uses_ray(config: RunConfig) -> bool:
@@ -50,8 +49,8 @@ def uses_ray(config: RunConfig) -> bool:
 @ray.remote
 class ModelPasses:
     """One model (the base, an expert or the merge) loaded once in its actor (`load`), running the evaluator's
-    passes. Results leave on the CPU; the merged actor keeps its sides on the CPU between tasks, so a task's
-    passes are on the device only while that task is judged (as in-process)."""
+    passes. Their results leave the device batch by batch (evaluate.passes), so the sides travel and the merged
+    actor keeps them in host memory; a batch is on the device only while it is judged (as in-process)."""
 
     def __init__(self, config: RunConfig, data: Mapping[str, TaskFiles], tokenizer_dir: Path,
                  cache_folder: Path | None) -> None:
@@ -76,16 +75,14 @@ class ModelPasses:
 
     def expert_side(self, index: int) -> ExpertSide:
         """Task `index`'s expert side (it travels to the merged model's actor)."""
-        side = self._timed(f"expert {self.evaluator.config.tasks[index]}",
+        return self._timed(f"expert {self.evaluator.config.tasks[index]}",
                            lambda: self.evaluator.expert_side(index, self.model, identity=self.identity))
-        return side.to(CPU)
 
     def merged_sides(self) -> None:
-        """Every task's merged side, kept here (on the CPU) for `judge`."""
+        """Every task's merged side, kept here (in host memory) for `judge`."""
         tasks = self.evaluator.config.tasks
         self.merged = self._timed("merged model", lambda: [
-            self.evaluator.merged_side(self.model, index, identity=self.identity).to(CPU)
-            for index in range(len(tasks))])
+            self.evaluator.merged_side(self.model, index, identity=self.identity) for index in range(len(tasks))])
 
     def judge(self, base_passes: Mapping[str, list[bool] | None], corrections_path: Path | None,
               router_path: Path | None, *sides: ExpertSide) -> dict[str, object]:
@@ -96,7 +93,7 @@ class ModelPasses:
         corrections = None if corrections is None else corrections.to(self.device)
         candidate = None if model_dir == self.model_dir else load_causal_lm(
             model_dir, dtype=next(self.model.parameters()).dtype, device=self.device)
-        pairs = ((side.to(self.device).with_base(base_passes.get(side.task)), merged.to(self.device))
+        pairs = ((side.with_base(base_passes.get(side.task)), merged)
                  for side, merged in zip(sides, self.merged, strict=True))
         return self._timed("corrected model", lambda: self.evaluator.evaluate(
             self.model, corrections, pairs, router=router, candidate=candidate))
@@ -104,6 +101,10 @@ class ModelPasses:
     def peak_memory(self) -> int:
         """The most memory this actor's work has held since it began loading its model (darts_dist.memory)."""
         return self.memory.peak()
+
+    def compute(self) -> str:
+        """Where and in what dtype this actor's model computes (sources.models.compute_label)."""
+        return model_compute(self.model)
 
     def cache_counts(self) -> dict[str, int]:
         return {"hits": 0, "misses": 0} if self.evaluator.cache is None else self.evaluator.cache.counts()
@@ -125,10 +126,12 @@ def evaluate_on_ray(
     config: RunConfig, data: Mapping[str, TaskFiles], base_dir: Path, experts: Mapping[str, Path], merged_dir: Path,
     corrections_path: Path | None, router_path: Path | None, score_base: bool, cache: OutputCache | None = None,
     driver_holds_models: Callable[[], bool] = lambda: True, memory: dict[str, int] | None = None,
+    compute: dict[str, str] | None = None,
 ) -> dict[str, object] | None:
     """`evaluate.stage.evaluate_stage`'s result, its models' passes in actors of their own on the cluster
     (`cluster.address` or RAY_ADDRESS, else a local one); `cache` counts what the actors read back from their
-    output caches and what they computed; `memory` gets each actor's peak memory by model.
+    output caches and what they computed; `memory` gets each actor's peak memory by model, `compute` its device and
+    dtype by role.
 
     With `evaluation.executor: auto`, None (evaluate in-process) when the cluster does not have an actor's
     resources for every model (the base, each expert, the merge: a GPU each on a GPU cluster) in all and
@@ -156,7 +159,8 @@ def evaluate_on_ray(
                     f"the Ray cluster had no room for {len(roles)} evaluation actors ({', '.join(roles)}) of "
                     f"{bundles[0]} each after {cluster.resource_wait_s:g} s",
                     "add nodes with those resources, or set evaluation.executor: in-process")
-            return _run_actors(config, data, base_dir, roles, group, corrections_path, router_path, cache, memory)
+            return _run_actors(config, data, base_dir, roles, group, corrections_path, router_path, cache, memory,
+                               compute)
         finally:
             remove_placement_group(group)
 
@@ -164,7 +168,7 @@ def evaluate_on_ray(
 def _run_actors(
     config: RunConfig, data: Mapping[str, TaskFiles], tokenizer_dir: Path, roles: Mapping[str, Path],
     group: PlacementGroup, corrections_path: Path | None, router_path: Path | None, cache: OutputCache | None,
-    memory: dict[str, int] | None,
+    memory: dict[str, int] | None, compute: dict[str, str] | None,
 ) -> dict[str, object]:
     """One actor per role in the placement group's bundles, their passes at once, the merged actor's judgement."""
     cpu_nodes = [node for node in alive_nodes() if node["Resources"].get("CPU")]
@@ -184,6 +188,9 @@ def _run_actors(
         result = get_or_raise(merged.judge.remote(base, corrections_path, router_path, *sides))
         if memory is not None:
             memory.update(zip(actors, get_or_raise([actor.peak_memory.remote() for actor in actors.values()])))
+        if compute is not None:
+            compute.update(zip((f"evaluation actor ({role})" for role in actors),
+                               get_or_raise([actor.compute.remote() for actor in actors.values()])))
         if cache is not None:
             for counts in get_or_raise([actor.cache_counts.remote() for actor in actors.values()]):
                 cache.hits, cache.misses = cache.hits + counts["hits"], cache.misses + counts["misses"]

@@ -3,6 +3,9 @@ corrected vs. expert, on one batch at a time.
 
 The expert's side of a batch (`reference`) is computed once and compared with any number of merged
 models and corrections (`merged_outputs`, `corrected_outputs`); `TaskTally` sums a task's results.
+What a pass keeps leaves the model's device with its batch, hidden states in the model's own dtype (a bf16
+model's are kept at half an fp32 copy's bytes, and exactly): a held-out set's passes sit in host memory, and a
+batch returns to the device only while a correction is judged on it.
 """
 
 from __future__ import annotations
@@ -75,13 +78,17 @@ class Reference:
 
 @dataclass
 class Outputs:
-    """A merged model's side of one batch, plain or corrected: h at the bias layer and the per-token NLL."""
+    """A merged model's side of one batch, plain or corrected: h at the bias layer (in the model's dtype) and the
+    per-token NLL (fp32)."""
 
     hidden: torch.Tensor
     nll: torch.Tensor
 
     def to(self, device: torch.device) -> Outputs:
         return Outputs(hidden=self.hidden.to(device), nll=self.nll.to(device))
+
+
+HOST = torch.device("cpu")  # where a pass's results are kept between batches
 
 
 def _device(model: PreTrainedModel) -> torch.device:
@@ -102,16 +109,16 @@ def reference(expert: PreTrainedModel, batch: Mapping[str, torch.Tensor], layer:
         input_ids=ids,
         attention_mask=mask,
         positions=mask_positions(mask),
-        hidden=hidden[layer].float(),
+        hidden=hidden[layer],
         weights=entropy_weights(next_token_entropy(logits), mask, 1.0),
         nll=nll,
         nll_mask=nll_mask,
-    )
+    ).to(HOST)
 
 
 def _outputs(logits: torch.Tensor, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> Outputs:
     nll, _ = token_nll(logits, input_ids, mask)
-    return Outputs(hidden=hidden.float(), nll=nll)
+    return Outputs(hidden=hidden, nll=nll).to(HOST)
 
 
 @torch.no_grad()
@@ -133,26 +140,32 @@ def corrected_outputs(
     task_index: int,
     layer: LayerKey,
 ) -> Outputs:
-    """The merged model under task `task_index`'s correction, on the reference's batch.
+    """The merged model under task `task_index`'s correction, on the reference's batch (kept on the host or not:
+    it goes to the model's device for this pass, and the outputs leave it).
 
     With surgery only at the final representation (and bias measured there), ĥ is the correction
     of the plain run's h^m and the logits are lm_head(ĥ), so no second forward pass is needed.
     Otherwise the merged model runs again with the corrections hooked in.
     """
-    weights = torch.zeros(ref.input_ids.shape[0], len(corrections.spec.tasks), device=ref.input_ids.device)
+    device = _device(merged)
+    weights = torch.zeros(ref.input_ids.shape[0], len(corrections.spec.tasks), device=device)
     weights[:, task_index] = 1.0
+    ids = ref.input_ids.to(device)
     if features_only(corrections.layer_keys) and layer == "final":
-        hidden = corrections["final"](plain.hidden, ref.positions, weights)
+        head = merged.get_output_embeddings()
+        # ĥ in the model's own dtype, as a forward with the corrections hooked in hands it to the head (they add in
+        # fp32 and give back the input's dtype): the same logits, NLL and bias in any dtype.
+        hidden = corrections["final"](plain.hidden.to(device), ref.positions.to(device), weights)
         # lm_head only where a prediction counts (not on padding or chat prompts): it is most of the cost.
-        counted = ref.nll_mask
-        logits = merged.get_output_embeddings()(hidden[:, :-1][counted].to(_device(merged)))
-        nll = torch.zeros(counted.shape, device=logits.device)
-        nll[counted] = F.cross_entropy(logits.float(), ref.input_ids[:, 1:][counted], reduction="none")
-        return Outputs(hidden=hidden.float(), nll=nll)
+        counted = ref.nll_mask.to(device)
+        logits = head(hidden[:, :-1][counted].to(head.weight.dtype))
+        nll = torch.zeros(counted.shape, device=device)
+        nll[counted] = F.cross_entropy(logits.float(), ids[:, 1:][counted], reduction="none")
+        return Outputs(hidden=hidden, nll=nll).to(HOST)
     with attach_corrections(merged, corrections) as handle, capture_hidden(merged, [layer]) as hidden:
         handle.set_task_weights(weights)
-        logits = merged(input_ids=ref.input_ids, attention_mask=ref.attention_mask).logits
-    return _outputs(logits, hidden[layer], ref.input_ids, ref.attention_mask)
+        logits = merged(input_ids=ids, attention_mask=ref.attention_mask.to(device)).logits
+    return _outputs(logits, hidden[layer], ids, ref.attention_mask.to(device))
 
 
 class TaskTally:

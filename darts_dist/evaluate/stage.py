@@ -13,7 +13,7 @@ from darts_dist.config import RunConfig
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, judged_artifacts, scores_base
 from darts_dist.evaluate.on_ray import evaluate_on_ray, uses_ray
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_compute, model_dtype, resolve_device
 from darts_dist.sources.output_cache import OutputCache
 from darts_dist.sources.references import ResolvedSources
 
@@ -32,14 +32,15 @@ def base_scores(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device
 def evaluate_stage(
     config: RunConfig, sources: ResolvedSources, merged_dir: Path, corrections_path: Path | None,
     router_path: Path | None = None, cache: OutputCache | None = None, memory: dict[str, int] | None = None,
-    *, driver_holds_models: Callable[[], bool],
+    *, driver_holds_models: Callable[[], bool], compute: dict[str, str] | None = None,
 ) -> dict[str, object]:
     """Held-out bias, NLL and task scores per task, merged vs. corrected vs. expert (and routed, with a router).
 
     The corrections apply to config.model_dir: the merged model, or the learned merge, which is then judged
     (with its corrections, if any) against the merged model it started from. The base's, experts' and merged
     model's passes go through the output cache (`cache`, or the cache folder's; none with evaluation.cache off).
-    On Ray, `memory` gets each evaluation actor's peak memory, by model; `driver_holds_models` says whether
+    On Ray, `memory` gets each evaluation actor's peak memory, by model; `compute` gets where and in what dtype the
+    models ran (sources.models.compute_label), by role; `driver_holds_models` says whether
     `auto`, finding no room on the cluster, may evaluate in this process instead (the run's plan answers it).
     """
     settings = config.calibration
@@ -50,7 +51,7 @@ def evaluate_stage(
     if uses_ray(config):
         result = evaluate_on_ray(config, sources.data, sources.base, sources.experts, merged_dir, corrections_path,
                                  router_path, scores_base(config, sources.data), cache,
-                                 driver_holds_models=driver_holds_models, memory=memory)
+                                 driver_holds_models=driver_holds_models, memory=memory, compute=compute)
         if result is not None:  # None: `auto` found no room for an actor per model
             return result
     device = resolve_device(settings.device)
@@ -60,6 +61,8 @@ def evaluate_stage(
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), cache=cache)
     base_passes = base_scores(evaluator, sources.base, dtype, device)
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
+    if compute is not None:
+        compute["evaluation (in-process)"] = model_compute(merged)
     merged_identity = evaluator.identity(merged_dir, dtype, device)
 
     def sides() -> Iterator[tuple[ExpertSide, MergedSide]]:

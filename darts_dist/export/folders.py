@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from darts_dist.config import CORRECTIONS_FILE
 from darts_dist.core import ROUTER_FILE, TaskRouter, modeling_darts, read_header
 from darts_dist.core.modeling_darts import AUTO_MAP, CODE_FILES, MERGED, ROUTED, SETTINGS_FILE, darts_section
@@ -80,8 +82,10 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def export_model(source: ExportSource, out: Path, fmt: Format = "hf", task: str | None = None,
-                 overwrite: bool = False) -> Path:
-    """Write `source`'s corrected model (hf) or its correction (correction) to `out`; every check runs first."""
+                 overwrite: bool = False, dtype: str | None = None) -> Path:
+    """Write `source`'s corrected model (hf) or its correction (correction) to `out`; every check runs first.
+    `dtype`: the exported weights' dtype (float32, bfloat16 or float16; config.json says it, so transformers loads
+    them in it with dtype="auto"); None keeps the merged model's."""
     files = source.files
     if files.corrections is None:
         raise DartsError(f"{source.origin} has no corrections: there is nothing to export but the plain merge",
@@ -102,13 +106,16 @@ def export_model(source: ExportSource, out: Path, fmt: Format = "hf", task: str 
             _write_json(folder / SETTINGS_FILE, {**settings, "darts_task": default})
             (folder / "README.md").write_text(correction_card(source, settings, out.name))
             return out
-        copy_weights(files.merged_dir, folder)
+        copy_weights(files.merged_dir, folder, dtype=None if dtype is None else getattr(torch, dtype))
         weights = {path.name for path in weight_files(files.merged_dir)}
         for path in files.merged_dir.iterdir():
             if path.name in weights or path.name in REWRITTEN or path.name.startswith("."):
                 continue
             (shutil.copytree if path.is_dir() else shutil.copyfile)(path, folder / path.name)
-        _write_json(folder / "config.json", {**config, "model_type": "darts", "architectures": ["DartsForCausalLM"],
-                                             "auto_map": AUTO_MAP, "darts": settings, "darts_task": default})
+        if dtype is not None:  # transformers 5 reads `dtype`; an older file's `torch_dtype` would contradict it
+            config = {**{k: v for k, v in config.items() if k != "torch_dtype"}, "dtype": dtype}
+        _write_json(folder / "config.json", {**config, "model_type": "darts",
+                                             "architectures": ["DartsForCausalLM"], "auto_map": AUTO_MAP,
+                                             "darts": settings, "darts_task": default})
         (folder / "README.md").write_text(model_card(source, settings, default, out.name))
     return out

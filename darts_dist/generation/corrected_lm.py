@@ -107,6 +107,15 @@ class CorrectedLM:
         return cls(load_causal_lm(merged_dir, dtype=dtype, device=device), load_tokenizer(merged_dir), corrections,
                    router, **routing)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in (the corrections stay fp32)."""
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def close(self) -> None:
         """Take the corrections' hooks off the model, so it runs plain forwards again (and knows no tasks)."""
         if self._handle is not None:
@@ -249,7 +258,7 @@ class CorrectedLM:
         scored = torch.zeros_like(attention_mask, dtype=torch.bool)
         for row, (context, continuation) in enumerate(zip(contexts, continuations)):
             scored[row, len(context):len(context) + len(continuation)] = True
-        device = next(self.model.parameters()).device
+        device = self.device
         with self.weighted(weights):
             logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits.cpu()
         nll, counted = token_nll(logits, input_ids, attention_mask, scored)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import huggingface_hub
+import torch
 import yaml
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from mergekit import merge_methods as mergekit_methods
@@ -103,10 +104,21 @@ def mergekit_model_paths(config: Mapping) -> list[Path]:
     return _local_model_paths(_validated(config, origin="the merge config"))
 
 
+def merge_device(name: str) -> torch.device:
+    """`merge.device` on this machine (the driver): cpu, cuda, or auto (CUDA where this machine sees a GPU)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DartsError("merge.device is cuda, but this machine (the driver) sees no CUDA device",
+                         "set merge.device: auto (a GPU where there is one) or cpu")
+    return torch.device(name)
+
+
 def run_merge(
-    config: Mapping[str, Any], out_dir: Path, overwrite: bool = False, seed: int | None = 0
+    config: Mapping[str, Any], out_dir: Path, overwrite: bool = False, seed: int | None = 0, device: str = "cpu",
 ) -> Path:
-    """Merge with mergekit into `out_dir` (safetensors, tokenizer, mergekit_config.yml), atomically.
+    """Merge with mergekit into `out_dir` (safetensors, tokenizer, mergekit_config.yml), atomically, computing on
+    `device` (`merge_device`'s names).
 
     `seed` fixes the random masks of dare_* and della merges; mergekit applies it with
     transformers' set_seed, which reseeds the process's global RNGs.
@@ -115,16 +127,18 @@ def run_merge(
     if out_dir.exists() and not overwrite:
         raise DartsError(f"merge output folder {out_dir} already exists", "choose a new folder or pass overwrite")
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
-        merge_into(config, tmp, seed, named=out_dir)
+        merge_into(config, tmp, seed, named=out_dir, device=device)
     return out_dir
 
 
-def merge_into(config: Mapping[str, Any], folder: Path, seed: int | None = 0, named: Path | None = None) -> None:
-    """mergekit's merge written into `folder` (a temporary one the caller renames); errors name `named`."""
+def merge_into(config: Mapping[str, Any], folder: Path, seed: int | None = 0, named: Path | None = None,
+               device: str = "cpu") -> None:
+    """mergekit's merge written into `folder` (a temporary one the caller renames), on `device` (`merge_device`'s
+    names); errors name `named`."""
     merge_config = _validated(config, origin="the merge config")
     _check_sources(merge_config)
     options = MergeOptions(
-        device="cpu",
+        device=str(merge_device(device)),
         copy_tokenizer=True,
         lazy_unpickle=False,
         safe_serialization=True,

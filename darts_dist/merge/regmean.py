@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from darts_dist.config import REGMEAN_RECORD, RunConfig
+from darts_dist.config import REGMEAN_RECORD, RunConfig, compute_dtype_name
 from darts_dist.core import TokenizedSet
 from darts_dist.core.regmean import GramRecorder, solve
 from darts_dist.core.regmean import contribution as linear_contribution
@@ -33,10 +33,10 @@ from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, atomic_file
 from darts_dist.logs import show_progress_logs
 from darts_dist.memory import PeakMemory
-from darts_dist.merge.mergekit import REGMEAN, build_mergekit_config, merge_into
+from darts_dist.merge.mergekit import REGMEAN, build_mergekit_config, merge_device, merge_into
 from darts_dist.ray_cluster.remote import expert_group, get_or_raise
 from darts_dist.sources.data import calibration_sets
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
+from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_compute, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,9 @@ class GramCollector:
         self.recorder = GramRecorder()
         self.linears = GramRecorder.linears(self.model)
 
-    def accumulate(self, data: TokenizedSet, batch_size: int, progress: bool = True) -> dict[str, int]:
-        """Every row of `data` through the expert; its token count and this collector's peak memory so far."""
+    def accumulate(self, data: TokenizedSet, batch_size: int, progress: bool = True) -> dict[str, object]:
+        """Every row of `data` through the expert; its token count, this collector's peak memory so far and where
+        and in what dtype it computed (sources.models.compute_label)."""
         batches = list(data.batches(batch_size))
         marks = {len(batches) * quarter // 4 for quarter in (1, 2, 3)}  # a line at each quarter: Ray shows no bars
         with self.recorder.recording(self.model):
@@ -66,7 +67,7 @@ class GramCollector:
                 if done in marks:
                     logger.info("regmean grams %s: %d/%d batches", data.task, done, len(batches))
         logger.info("regmean grams %s: %d rows, %d tokens", data.task, len(data), self.recorder.tokens)
-        return {"tokens": self.recorder.tokens, "peak_memory": self.memory.peak()}
+        return {"tokens": self.recorder.tokens, "peak_memory": self.memory.peak(), "compute": model_compute(self.model)}
 
     def shapes(self) -> dict[str, tuple[int, int]]:
         return {name: tuple(linear.weight.shape) for name, linear in self.linears.items()}
@@ -123,6 +124,18 @@ def _data_digest(data: TokenizedSet) -> str:
     return digest.hexdigest()[:16]
 
 
+COMPUTED_ON = "computed_on"  # in a record's grams.tasks: where each expert's Grams were computed, once they were
+
+
+def _without_computed_on(record: object) -> object:
+    """A written record as `regmean_record` makes it: less where its Grams were computed (known only after)."""
+    if isinstance(record, dict) and isinstance(record.get("grams"), dict):
+        tasks = record["grams"].get("tasks", {})
+        record["grams"]["tasks"] = {task: {k: v for k, v in seen.items() if k != COMPUTED_ON}
+                                    for task, seen in tasks.items()} if isinstance(tasks, dict) else tasks
+    return record
+
+
 def regmean_record(config: RunConfig, sources: ResolvedSources, others: Mapping[str, object],
                    sets: Mapping[str, TokenizedSet]) -> dict[str, object]:
     """The mergekit-style YAML of a RegMean merge: inputs, alpha, the other tensors' mergekit config, and where
@@ -138,7 +151,8 @@ def regmean_record(config: RunConfig, sources: ResolvedSources, others: Mapping[
         "dtype": config.merge.dtype,
         "grams": {
             "statistic": "mean over real tokens of x xᵀ, x a linear's input (fp32), off-diagonals scaled by alpha",
-            "compute_dtype": settings.dtype if config.models_on_gpus else "float32",
+            "compute_dtype": compute_dtype_name(settings.dtype, config.models_on_gpus or (
+                not config.cluster.on_ray and resolve_device(settings.device).type == "cuda")),
             "tasks": {task: {"calibration": str(sources.data[task].calibration), "rows": len(data),
                              "max_length": settings.max_length, "validation_fraction": settings.validation_fraction,
                              "seed": settings.seed, "tokens": int(data.attention_mask.sum()),
@@ -148,9 +162,10 @@ def regmean_record(config: RunConfig, sources: ResolvedSources, others: Mapping[
 
 
 def _merge_linears(folder: Path, pool: Collectors, shapes: Mapping[str, tuple[int, int]], alpha: float,
-                   progress: bool) -> None:
-    """Each linear's weight in the shards under `folder` replaced with its RegMean solution, shard by shard (one
-    shard and one linear's sums held at a time; the next linear's shares already on their way)."""
+                   device: torch.device, progress: bool) -> None:
+    """Each linear's weight in the shards under `folder` replaced with its RegMean solution, solved in float64 on
+    `device`, shard by shard (one shard and one linear's sums held at a time; the next linear's shares already on
+    their way)."""
     order = []  # (shard, linear) in the shards' order
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as weights:
@@ -171,8 +186,9 @@ def _merge_linears(folder: Path, pool: Collectors, shapes: Mapping[str, tuple[in
             tensors = load_file(file)
         answered, pending = pool.fetch(pending), shares(index + 1)
         name = module + ".weight"
-        merged = solve(sum(g.double() for g, _ in answered), sum(p.double() for _, p in answered))
-        tensors[name] = merged.to(tensors[name].dtype).contiguous()
+        merged = solve(sum(g.to(device, torch.float64) for g, _ in answered),
+                       sum(p.to(device, torch.float64) for _, p in answered))
+        tensors[name] = merged.to("cpu", tensors[name].dtype).contiguous()
         if index + 1 == len(order) or order[index + 1][0] != file:
             with atomic_file(file) as tmp:
                 save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -194,17 +210,19 @@ def regmean_merge(config: RunConfig, sources: ResolvedSources, out_dir: Path | N
     sets = calibration_sets(config, sources.data, load_tokenizer(sources.base))
     record = regmean_record(config, sources, others, sets)
     written = out_dir / REGMEAN_RECORD
-    if written.is_file() and yaml.safe_load(written.read_text()) == record:
+    if written.is_file() and _without_computed_on(yaml.safe_load(written.read_text())) == record:
         logger.info("merge: reusing %s (same RegMean record)", out_dir)
         return out_dir, False
     started = time.perf_counter()
     with atomic_dir(out_dir, overwrite=True) as tmp:
-        merge_into(others, tmp, named=out_dir)
+        merge_into(others, tmp, named=out_dir, device=config.merge.device)
         with collectors(config, sources) as pool:
             statistics = pool.fetch(pool.submit("accumulate", [(sets[task], config.calibration.batch_size, progress)
                                                                 for task in config.tasks]))
             shapes = pool.ask("shapes")[0]
-            _merge_linears(tmp, pool, shapes, config.merge.alpha, progress)
+            _merge_linears(tmp, pool, shapes, config.merge.alpha, merge_device(config.merge.device), progress)
+        for task, seen in zip(config.tasks, statistics, strict=True):
+            record["grams"]["tasks"][task][COMPUTED_ON] = seen["compute"]
         (tmp / REGMEAN_RECORD).write_text(yaml.safe_dump(record, sort_keys=False, allow_unicode=True))
     logger.info("merge: RegMean of %d linears from %s tokens in %.1f s (collectors' peak memory %s)", len(shapes),
                 [s["tokens"] for s in statistics], time.perf_counter() - started,

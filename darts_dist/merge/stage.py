@@ -38,7 +38,7 @@ def merged_into(config: RunConfig, sources: ResolvedSources, out_dir: Path, over
     mergekit YAML or one built from `merge`."""
     if config.merge.method == REGMEAN:
         return regmean_merge(config, sources, out_dir=out_dir)[0]
-    return run_merge(mergekit_config_for(config, sources), out_dir, overwrite=overwrite)
+    return run_merge(mergekit_config_for(config, sources), out_dir, overwrite=overwrite, device=config.merge.device)
 
 
 def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:

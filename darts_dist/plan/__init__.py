@@ -34,7 +34,7 @@ def build_plan(config: RunConfig) -> Plan:
     merged = model_shape(config.sources.base)
     experts = {e.task: model_shape(e.path) for e in config.sources.experts}
     roles = [*merge_roles(config, experts), *calibration_roles(config, experts, merged), *evaluation_roles(config, experts, merged),
-             serving_role(config.serve, merged, correction_parameters(config, merged)), driver_role(config, experts, merged)]
+             serving_role(config.serving, merged, correction_parameters(config, merged)), driver_role(config, experts, merged)]
     return Plan(merged, experts, roles, correction_parameters(config, merged))
 
 

@@ -21,6 +21,7 @@ from darts_dist.plan import Plan, build_plan
 from darts_dist.plan.cluster import GIB, gpu_memory, placement_problems, read_nodes, size_problems
 from darts_dist.plan.roles import Role, correction_parameters, serving_role
 from darts_dist.plan.shapes import ModelShape, model_shape
+from darts_dist.sources.models import check_compute_dtype, resolve_device
 
 if TYPE_CHECKING:
     from darts_dist.serve.model import ModelSource
@@ -90,9 +91,18 @@ def driver_holds_evaluation(config: RunConfig) -> bool:
     return build_plan(in_process).driver.resident_bytes <= psutil.virtual_memory().available
 
 
+def check_dtype(config: RunConfig) -> None:
+    """The run's compute dtype on the device its models run on, where this machine can try it: the CPU, or the
+    driver's own device in-process (GPU actors' nodes are another machine's)."""
+    if not config.models_on_gpus:
+        device = resolve_device(config.calibration.device)
+        check_compute_dtype(config.calibration.dtype, device if not config.cluster.on_ray else torch.device("cpu"))
+
+
 def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
-    """`calibrate` (phases merge, calibration and evaluation) and `evaluate` (evaluation): the plan's roles of those
-    phases on the run's cluster, and the driver on this machine."""
+    """`calibrate` (phases merge, calibration and evaluation) and `evaluate` (evaluation): the compute dtype, the
+    plan's roles of those phases on the run's cluster, and the driver on this machine."""
+    check_dtype(config)
     plan = build_plan(config)
     roles = [role for role in plan.roles if role.phase in phases]
     check_launch(roles, config.cluster, driver=plan.driver)
@@ -104,6 +114,8 @@ def check_serving(source: ModelSource, config: RunConfig | None, settings: Serve
     """`serve` and `serve-deploy`: the replicas on the cluster they deploy onto. The model's shape comes from the
     merged folder's config.json or (a registered version, which each replica fetches itself) from its run's
     config; where neither is readable here, only the replicas' resources are checked."""
+    if not settings.use_gpu:
+        check_compute_dtype(settings.dtype, torch.device("cpu"))
     role = serving_role(settings, *_served_shape(source, config))
     if not role.parts:
         logger.info("serve: the model's config.json is not readable here: checking the replicas' resources only")

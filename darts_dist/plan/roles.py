@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from darts_dist.calibrate.layers import concrete_layers
-from darts_dist.config import RunConfig, ServeSection
+from darts_dist.config import RunConfig, ServeSection, compute_dtype_name
 from darts_dist.core import CorrectionSpec, expected_parameter_count
 from darts_dist.evaluate.on_ray import uses_ray
 from darts_dist.merge.mergekit import REGMEAN
-from darts_dist.plan.shapes import ModelShape
+from darts_dist.plan.shapes import ITEMSIZE, ModelShape
 from darts_dist.ray_cluster.placement import Bundle, expert_bundle, worker_bundle
 
 TOKEN_ROW_BYTES = 17  # input ids and attention mask (int64) and the response mask (bool) of a token
@@ -90,8 +90,8 @@ def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged:
     c, cluster = config.calibration, config.cluster
     if not cluster.on_ray:
         return []
-    dtype = c.dtype if cluster.use_gpu else "float32"  # the CPU computes fp32
-    item = 2 if dtype != "float32" else 4
+    dtype = compute_dtype_name(c.dtype, cluster.use_gpu)
+    item = ITEMSIZE[dtype]
     B, S, d = c.batch_size, c.max_length, merged.hidden_size
     loss_layers = 1 if c.loss_at == "last" else surgery_layer_count(config, merged.num_layers)
     roles = []
@@ -148,8 +148,8 @@ def merge_roles(config: RunConfig, experts: dict[str, ModelShape]) -> list[Role]
     c, cluster = config.calibration, config.cluster
     if config.merge.method != REGMEAN or cluster.executor != "ray":
         return []
-    dtype = c.dtype if cluster.use_gpu else "float32"
-    item = 2 if dtype != "float32" else 4
+    dtype = compute_dtype_name(c.dtype, cluster.use_gpu)
+    item = ITEMSIZE[dtype]
     roles = []
     for task, shape in experts.items():
         n_in, n_out = _largest_linear(shape)
@@ -175,8 +175,8 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
     if not uses_ray(config):
         return []
     e, c = config.evaluation, config.calibration
-    dtype = c.dtype if config.cluster.use_gpu else "float32"
-    item = 2 if dtype != "float32" else 4
+    dtype = compute_dtype_name(c.dtype, config.cluster.use_gpu)
+    item = ITEMSIZE[dtype]
     answer = e.max_new_tokens or LONGEST_ANSWER
     models = {"merged": merged, **experts, **({"base": merged} if e.score_base else {})}
     roles = []
@@ -198,7 +198,7 @@ def serving_role(settings: ServeSection, merged: ModelShape | None, correction_p
     """One serving replica (and how many at most): the merged model, its corrections, the KV cache of a full
     batch and the prefix cache, one decoding step's activations (no bytes where the shape is unknown)."""
     s = settings
-    dtype = s.dtype if s.use_gpu else "float32"
+    dtype = compute_dtype_name(s.dtype, s.use_gpu)
     replicas = s.autoscaling_config.get("max_replicas", s.num_replicas) if s.autoscaling_config else s.num_replicas
     bundle = {"CPU": s.num_cpus, "GPU": 1.0 if s.use_gpu else 0.0}
     if merged is None:

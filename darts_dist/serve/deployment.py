@@ -73,7 +73,8 @@ def replica_device(settings: ServeSection) -> tuple[torch.device, str | None]:
     if torch.cuda.is_available():
         return torch.device("cuda"), None
     return torch.device("cpu"), ("serve.use_gpu is set, but this replica finds no CUDA device: serving from the CPU "
-                                 "in fp32 (check the node's driver and the image's CUDA build of torch)")
+                                 f"in {model_dtype(settings.dtype, torch.device('cpu'))} (check the node's driver "
+                                 "and the image's CUDA build of torch)")
 
 
 @serve.deployment(max_constructor_retry_count=2)
@@ -125,7 +126,7 @@ class DartsServer:
             return {"status": "ok"}
         stats = self.engine.stats()
         return {"status": "ok", "model": self.name, "model_version": self.version, "load_s": round(self.load_s, 2),
-                "device": self.device.type, "gpus": self.gpus, "warnings": self.warnings,
+                "device": self.device.type, "dtype": str(self.lm.dtype).removeprefix("torch."), "gpus": self.gpus, "warnings": self.warnings,
                 "peak_memory_bytes": self.memory.peak(), "capture": self.capture is not None,
                 **dataclasses.asdict(stats)}
 

@@ -104,10 +104,11 @@ def resolve_model(
 def serve_settings(config: RunConfig | None, override: Path | None = None, **values: Any) -> ServeSection:
     """The serve section: defaults < the model's run config < a --config YAML < explicit values (None: unset).
 
-    The capture folder becomes absolute here, on the driver: replicas run in other working folders.
+    `serve.dtype: auto` becomes the run's compute dtype (`calibration.dtype`), so the replicas compute as the run
+    evaluated the model. The capture folder becomes absolute here, on the driver: replicas run in other working
+    folders.
     """
-    settings = config.serve if config is not None else ServeSection()
-    if override is not None:
-        settings = load_config(override).serve
+    run = load_config(override) if override is not None else config
+    settings = run.serving if run is not None else ServeSection()
     settings = updated(settings, **{key: value for key, value in values.items() if value is not None})
     return updated(settings, capture=updated(settings.capture, dir=settings.capture.dir.expanduser().absolute()))

@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from darts_dist.config import compute_dtype_name
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, atomic_file, cache_root
 
@@ -340,9 +341,50 @@ def resolve_device(device: str) -> torch.device:
 
 
 def model_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Half precision only where the device computes it well; the CPU path stays fp32."""
-    dtype = getattr(torch, name)
-    return torch.float32 if device.type == "cpu" else dtype
+    """The torch dtype a role set to `name` (config.ComputeDtype) computes in on `device`: the name itself on any
+    device, `auto` bfloat16 on GPUs and float32 on CPUs."""
+    return getattr(torch, compute_dtype_name(name, device.type == "cuda"))
+
+
+def compute_label(device: torch.device, dtype: torch.dtype) -> str:
+    """How a role computes, as reports say it: its device type and dtype, e.g. "cuda bfloat16"."""
+    return f"{device.type} {str(dtype).removeprefix('torch.')}"
+
+
+def model_compute(model: torch.nn.Module) -> str:
+    """`compute_label` of a loaded model: where its weights are and their dtype."""
+    weight = next(model.parameters())
+    return compute_label(weight.device, weight.dtype)
+
+
+@functools.cache
+def missing_kernel(dtype: torch.dtype, device_type: str) -> str | None:
+    """What a decoder's forward needs and `device_type` cannot compute in `dtype` (None: it has every kernel):
+    embedding, linear, RMS norm, rotary, SiLU, attention, softmax and the log-softmax of the loss, tried once on a
+    few numbers."""
+    device = torch.device(device_type)
+    try:
+        x = torch.randn(2, 4, 8, device=device).to(dtype)
+        weight = torch.randn(8, 8, device=device).to(dtype)
+        h = torch.nn.functional.embedding(torch.tensor([[0, 1, 2, 3]], device=device), weight)
+        h = torch.nn.functional.linear(x + h, weight) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        h = torch.nn.functional.silu(h) * torch.cos(h) + torch.sin(h)
+        q = h.view(2, 1, 4, 8)
+        h = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).softmax(-1)
+        torch.nn.functional.cross_entropy(h.view(-1, 8), torch.zeros(8, dtype=torch.long, device=device))
+    except (RuntimeError, NotImplementedError) as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def check_compute_dtype(name: str, device: torch.device) -> None:
+    """Refuse, before any work, a compute dtype `device` has no kernels for (float16 on some CPUs)."""
+    dtype = model_dtype(name, device)
+    missing = missing_kernel(dtype, device.type)
+    if missing is not None:
+        raise DartsError(f"this machine's {device.type} cannot compute a model in {str(dtype).removeprefix('torch.')}: "
+                         f"{missing}", "compute in bfloat16 or float32 here (--dtype, calibration.dtype), or run the "
+                         "models on GPUs (cluster.use_gpu)")
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -19,6 +19,7 @@ from mlflow.pyfunc import PythonModel, PythonModelContext
 
 import mlflow
 from darts_dist.generation import CorrectedLM
+from darts_dist.sources.models import model_dtype, resolve_device
 from darts_dist.tracking.registry import CORRECTIONS_ARTIFACT, MERGED_ARTIFACT, PARAM_DEFAULTS, ROUTER_ARTIFACT
 
 
@@ -35,9 +36,15 @@ class DartsPyfunc(PythonModel):
 
     def load_context(self, context: PythonModelContext) -> None:
         corrections, router = (context.artifacts.get(name) for name in (CORRECTIONS_ARTIFACT, ROUTER_ARTIFACT))
+        # Where it computes: the model_config it was logged with, or the one load_model passes (device auto: CUDA
+        # where a GPU is visible; dtype auto: bfloat16 there, float32 on a CPU).
+        settings = context.model_config or {}
+        device = resolve_device(str(settings.get("device", "auto")))
         self.lm = CorrectedLM.load(
             Path(context.artifacts[MERGED_ARTIFACT]),
             None if corrections is None else Path(corrections),
+            device=device,
+            dtype=model_dtype(str(settings.get("dtype", "auto")), device),
             router_path=None if router is None else Path(router),
         )
 

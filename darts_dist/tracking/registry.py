@@ -29,6 +29,7 @@ from darts_dist.config import RunConfig, parse_config
 from darts_dist.core import ROUTER_FILE
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
+from darts_dist.sources.models import compute_label, model_dtype, resolve_device
 from darts_dist.tracking.runs import CORRECTIONS_TAG, MERGED_DIR_TAG, STAGE_TAG, TRACKING_URI_ENV, environment
 from mlflow import MlflowClient
 
@@ -90,12 +91,14 @@ def requirements() -> list[str]:
 
 def log_pyfunc_model(
     uri: str, run_id: str, merged_dir: Path, corrections: Path | None, example_task: str | None,
-    router: Path | None = None,
+    router: Path | None = None, dtype: str = "auto",
 ) -> str:
     """Log the pyfunc model (merged folder + corrections + router) to `run_id`; returns its `models:/m-...` URI.
 
-    MLflow checks the input example by loading the model and generating a few tokens, so a model
-    that cannot load or generate is refused here, before anything is registered.
+    Its `model_config` says where it computes: `device` auto (CUDA where a GPU is visible, else the CPU) and `dtype`
+    (a config.ComputeDtype: auto is bfloat16 on a GPU, float32 on a CPU); `mlflow.pyfunc.load_model(...,
+    model_config=...)` overrides either. MLflow checks the input example by loading the model so and generating a
+    few tokens, so a model that cannot load or generate is refused here, before anything is registered.
     """
     artifacts = {MERGED_ARTIFACT: str(merged_dir)}
     for name, path in ((CORRECTIONS_ARTIFACT, corrections), (ROUTER_ARTIFACT, router)):
@@ -113,9 +116,34 @@ def log_pyfunc_model(
             input_example=(example, {"max_new_tokens": 4}),
             pip_requirements=requirements(),
             code_paths=[str(PACKAGE_DIR)],
+            model_config={"device": "auto", "dtype": dtype},
         )
     MlflowClient(uri).set_tag(run_id, MODEL_URI_TAG, info.model_uri)
     return info.model_uri
+
+
+def _logged_here(*args: object) -> tuple[str, str]:
+    """`log_pyfunc_model(*args)`, and where its check computed: the device and dtype the pyfunc's `load_context`
+    picks in this process (sources.models.compute_label)."""
+    device = resolve_device("auto")
+    return log_pyfunc_model(*args), compute_label(device, model_dtype(str(args[-1]), device))
+
+
+def log_checked_model(
+    config: RunConfig, uri: str, run_id: str, merged_dir: Path, corrections: Path | None, router: Path | None,
+    dtype: str | None = None,
+) -> tuple[str, str]:
+    """`log_pyfunc_model` for a run of `config`, computing in `dtype` (default: the run's calibration.dtype); returns
+    the logged model's URI and where its check computed. The check loads the model: where the config puts models
+    on GPUs, in a Ray task with an expert actor's resources (a GPU), never on the driver, whose node (a cluster's
+    head) may have neither a GPU nor the memory."""
+    args = (uri, run_id, merged_dir, corrections, config.tasks[0], router, dtype or config.calibration.dtype)
+    if config.models_on_gpus:
+        # Imported here: the registered model's code imports this module, and Ray is not among its requirements.
+        from darts_dist.ray_cluster.remote import run_as_expert
+
+        return run_as_expert(config.cluster, "the logged model's check", _logged_here, *args)
+    return _logged_here(*args)
 
 
 @dataclass(frozen=True)
@@ -239,8 +267,10 @@ def run_config(client: MlflowClient, run: Run) -> RunConfig:
         return parse_config(json.loads(Path(path).read_text()), origin=f"run {parent}'s config.json")
 
 
-def register_run(client: MlflowClient, run_id: str, name: str | None = None, alias: str | None = None) -> Registration:
-    """Register a tracked calibration after the fact (`darts-dist register`), logging its model first if needed."""
+def register_run(client: MlflowClient, run_id: str, name: str | None = None, alias: str | None = None,
+                 dtype: str | None = None) -> Registration:
+    """Register a tracked calibration after the fact (`darts-dist register`), logging its model first if needed (in
+    `dtype`, default the run's calibration.dtype; checked where `log_checked_model` says)."""
     run = calibration_run(client, run_id)
     tags = run.data.tags
     if VERSION_TAG in tags:
@@ -256,8 +286,8 @@ def register_run(client: MlflowClient, run_id: str, name: str | None = None, ali
                              "register from the machine and folder where the run wrote them")
         # The router a calibration fits is written next to its corrections (pipeline.run_calibration).
         router = corrections.with_name(ROUTER_FILE)
-        logged = log_pyfunc_model(client.tracking_uri, run.info.run_id, merged_dir, corrections, config.tasks[0],
-                                  router if router.is_file() else None)
+        logged, _ = log_checked_model(config, client.tracking_uri, run.info.run_id, merged_dir, corrections,
+                                      router if router.is_file() else None, dtype)
     return register_version(client, name or registered_model_name(config), logged, run.info.run_id,
                             alias or config.tracking.alias)
 

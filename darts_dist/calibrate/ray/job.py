@@ -494,8 +494,11 @@ def calibrate_distributed(
                "seconds": job.timings}
     prompts = {task: torch.from_numpy(np.stack([by_row[row] for row in sorted(by_row)]))
                for task, by_row in job.prompt_features.items()}
+    where = job.placement
+    compute = {f"expert actor ({task})": ", ".join(how) for task, how in where["expert_compute"].items()}
+    compute["calibration worker"] = ", ".join(sorted(set(where["worker_compute"])))
     return CalibrationOutcome(corrections_path=path, result=result, entropy_weights=weights, job=details,
-                              prompt_features=prompts)
+                              prompt_features=prompts, compute=compute)
 
 
 def fit_coefficients_distributed(

@@ -1,8 +1,8 @@
 """Expert actors -> Ray Data rows -> the training workers' shards, with back-pressure all the way.
 
 A row is one calibration sample, cut to its real length: `task`, `row` (its index in the task's
-calibration set, so that "every row exactly once" can be checked), `node` (the Ray node of the
-expert actor that made it), `input_ids`,
+calibration set, so that "every row exactly once" can be checked), `node`, `gpus`, `memory` and `compute` (the
+Ray node of the expert actor that made it, its GPU ids, its peak memory so far, its device and dtype), `input_ids`,
 `attention_mask`, `response_mask`, `entropy` (H_t, fp32: one scalar per token) and
 `target.<layer>` (h^k at each layer the loss reads: `CalibrationSection.loss_layers`). Hidden states travel in
 `calibration.wire_dtype` (`CalibrationSection.wire_dtype_for`: on GPUs the compute dtype, on CPUs bf16 for wide models;
@@ -118,7 +118,7 @@ class ExpertStream:
         wire_dtype: str = "auto",
     ) -> None:
         from darts_dist.logs import show_progress_logs
-        from darts_dist.sources.models import load_causal_lm, model_dtype, resolve_device
+        from darts_dist.sources.models import load_causal_lm, model_compute, model_dtype, resolve_device
 
         show_progress_logs()  # this actor's own process: its lines reach the driver's console through Ray
 
@@ -136,6 +136,7 @@ class ExpertStream:
         self.dtype = model_dtype(dtype, self.device)
         self.memory = PeakMemory(self.device)  # what this actor's work holds, for the plan's comparison
         self.model = load_causal_lm(Path(model_path), dtype=self.dtype, device=self.device)
+        self.compute = model_compute(self.model)
         self.wire_dtype = CalibrationSection(dtype=dtype, wire_dtype=wire_dtype).wire_dtype_for(
             self.model.config.hidden_size, on_gpu=self.device.type == "cuda")
         self.layers = list(layers)
@@ -162,6 +163,7 @@ class ExpertStream:
         rows["node"] = np.full(len(lengths), self.node, dtype=object)
         rows["gpus"] = np.full(len(lengths), self.gpus, dtype=object)
         rows["memory"] = np.full(len(lengths), self.memory.peak(), dtype=np.int64)
+        rows["compute"] = np.full(len(lengths), self.compute, dtype=object)
         rows["entropy"] = _ragged(entropy.cpu().numpy(), lengths)
         for layer in self.layers:
             rows[target_column(layer)] = _ragged(to_wire(hidden[layer], self.wire_dtype), lengths)

@@ -50,7 +50,7 @@ from darts_dist.logs import show_progress_logs
 from darts_dist.memory import PeakMemory
 from darts_dist.ray_cluster.cpu_share import ForwardTurn, cpu_share, node_cores, take_share, training_threads
 from darts_dist.ray_cluster.placement import gpu_ids
-from darts_dist.sources.models import load_causal_lm, model_dtype
+from darts_dist.sources.models import load_causal_lm, model_compute, model_dtype
 
 logger = logging.getLogger(__name__)
 ENGINE_TAG = "engine"  # DeepSpeed's folder inside each checkpoint
@@ -211,13 +211,14 @@ def drain(
     log: Progress,
     expert_nodes: dict[str, set[tuple[str, str]]],
     expert_memory: dict[str, int],
+    expert_compute: dict[str, set[str]],
     turn: ForwardTurn | None = None,
     router: RouterFeatures | None = None,
     window: ActorHandle | None = None,
 ) -> int:
     """Keep this worker's rows of every task in `store`; returns the bytes of hidden states received.
     `expert_nodes` gets, per task, the (node, GPU ids) its expert actors ran on, `expert_memory` the most memory
-    one of them held (darts_dist.memory).
+    one of them held (darts_dist.memory), `expert_compute` their devices and dtypes (sources.models.compute_label).
 
     In feature mode the merged model runs here once per row, so training steps need no model at all; through
     the model, it runs once per row and each row keeps the hidden states entering the lowest corrected layer
@@ -254,6 +255,7 @@ def drain(
         rows += len(batch["row"])
         expert_nodes.setdefault(task, set()).update(zip(batch["node"], batch["gpus"]))
         expert_memory[task] = max(expert_memory.get(task, 0), int(np.max(batch["memory"])))
+        expert_compute.setdefault(task, set()).update(batch["compute"])
         log(f"streamed {rows} rows ({rows / (time.perf_counter() - started):.1f} rows/s)")
     log(f"streamed {rows} rows in {time.perf_counter() - started:.1f} s", force=True)
     return received
@@ -348,6 +350,12 @@ def training_module(config: Mapping[str, object], tasks: Sequence[str], device: 
     return CalibrationModule(merged, corrections, settings)
 
 
+def frozen_model(module: nn.Module) -> nn.Module:
+    """The frozen model a training module computes with: the merged model (corrections), or the base (merge
+    coefficients)."""
+    return module.merged if isinstance(module, CalibrationModule) else module.base
+
+
 def worker_device() -> torch.device:
     """The GPU Ray Train gave this rank, or the CPU where its GPU resource has no CUDA device behind it (a CPU
     machine whose Ray node was started with GPUs it has not: the job warned on the driver)."""
@@ -415,18 +423,26 @@ def save_checkpoint(
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
-def placement(expert_nodes: Mapping[str, set[tuple[str, str]]]) -> dict[str, object]:
-    """Which node and GPUs ran what, gathered from every rank: each rank's node and GPU ids, and each task's
-    expert nodes and GPU ids ("" without a GPU; Ray's ids, unique on a node)."""
-    gathered = gather((ray.get_runtime_context().get_node_id(), gpu_ids()), expert_nodes)
+def placement(expert_nodes: Mapping[str, set[tuple[str, str]]], expert_compute: Mapping[str, set[str]],
+              worker_compute: str) -> dict[str, object]:
+    """Which node and GPUs ran what, and how, gathered from every rank: each rank's node, GPU ids and device and
+    dtype, and each task's expert nodes, GPU ids ("" without a GPU; Ray's ids, unique on a node) and devices and
+    dtypes."""
+    gathered = gather((ray.get_runtime_context().get_node_id(), gpu_ids(), worker_compute), expert_nodes,
+                      expert_compute)
     experts: dict[str, set[tuple[str, str]]] = {}
-    for _, nodes in gathered:
+    computes: dict[str, set[str]] = {}
+    for _, nodes, compute in gathered:
         for task, where in nodes.items():
             experts.setdefault(task, set()).update(where)
-    return {"workers": [node for (node, _), _ in gathered], "worker_gpus": [gpus for (_, gpus), _ in gathered],
+        for task, how in compute.items():
+            computes.setdefault(task, set()).update(how)
+    return {"workers": [node for (node, _, _), *_ in gathered], "worker_gpus": [gpus for (_, gpus, _), *_ in gathered],
+            "worker_compute": [how for (_, _, how), *_ in gathered],
             "experts": {task: sorted({node for node, _ in where}) for task, where in experts.items()},
             "expert_gpus": {task: sorted({f"{node}:{gpus}" for node, gpus in where if gpus})
-                            for task, where in experts.items()}}
+                            for task, where in experts.items()},
+            "expert_compute": {task: sorted(how) for task, how in computes.items()}}
 
 
 def gather(*values: object) -> list:
@@ -479,10 +495,12 @@ def train_loop_per_worker(config: dict) -> None:
         store = FeatureStore(tasks, settings.max_length, config["feature_memory_mb"] << 20, Path(spill_dir))
         expert_nodes: dict[str, set[tuple[str, str]]] = {}
         expert_memory: dict[str, int] = {}
+        expert_compute: dict[str, set[str]] = {}
         merged_model = engine.module.merged if isinstance(engine.module, CalibrationModule) else None
         router = RouterFeatures(**config["router"]) if config.get("router") else None
         received = drain(stream, merged_model, device, store, settings, lockstep=config["zero_stage"] == 3, log=log,
-                         expert_nodes=expert_nodes, expert_memory=expert_memory, turn=turn, router=router, window=config.get("window"))
+                         expert_nodes=expert_nodes, expert_memory=expert_memory, expert_compute=expert_compute, turn=turn,
+                         router=router, window=config.get("window"))
         row_ids = {task: store.row_ids(task) for task in tasks}
         missing = [task for task, ids in row_ids.items() if not ids]
         if missing:
@@ -494,7 +512,8 @@ def train_loop_per_worker(config: dict) -> None:
         stream_stats = {"rows": rows, "bytes": received, "spilled_bytes": spilled,
                         "peak_memory_bytes": reduce_over_ranks([store.peak_memory_bytes], device, "max")[0]}
         timings["stream"] = time.time() - started - timings["setup"]
-        progress = {"timings": timings, "stream": stream_stats, "placement": placement(expert_nodes)}
+        progress = {"timings": timings, "stream": stream_stats,
+                    "placement": placement(expert_nodes, expert_compute, model_compute(frozen_model(engine.module)))}
         if isinstance(engine.module, CoefficientModule):  # what the driver needs to write the learned merge
             merge = engine.module.merge
             progress["coefficients"] = {"experts": list(merge.experts), "task_vector_bytes": merge.task_vector_bytes,
