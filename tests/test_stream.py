@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from darts_dist.calibrate.features import expert_targets
-from darts_dist.calibrate.ray.feature_store import FeatureStore, float_tensor
+from darts_dist.calibrate.ray.feature_store import FeatureStore, wire_tensor
 from darts_dist.calibrate.ray.stream import (
     ExpertStream,
     source_rows,
@@ -74,14 +74,14 @@ def test_hidden_states_travel_exactly_in_their_compute_dtype(dtype) -> None:
     values = torch.randn(5, 16).to(getattr(torch, dtype))  # what expert_targets hands over on a GPU
     sent = to_wire(values, dtype)
     assert sent.itemsize == {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
-    assert torch.equal(float_tensor(sent), values.float())
+    assert wire_tensor(sent).dtype == values.dtype and torch.equal(wire_tensor(sent), values)
 
 
 def test_fp32_states_on_a_bf16_wire_are_rounded_to_nearest() -> None:
     """A CPU expert computes fp32 and sends bf16 (wide models): each value is the nearest bf16, so it is off by at
     most half a bf16 unit in the last place (2^-8 of its magnitude), not a truncation's whole unit."""
     values = torch.randn(64, 256)
-    received = float_tensor(to_wire(values, "bfloat16"))
+    received = wire_tensor(to_wire(values, "bfloat16")).float()
     assert torch.equal(received, values.bfloat16().float())
     assert ((received - values).abs() <= values.abs() * 2.0 ** -8).all()
 
@@ -103,7 +103,8 @@ def _rows(seed: int, count: int, width: int = 3) -> list[tuple[int, dict[str, np
 @pytest.mark.parametrize("budget", [1 << 30, 600])
 def test_feature_store_hands_rows_back_sorted_and_unpadded(tmp_path: Path, budget: int) -> None:
     """Within the budget in memory; past it spilled to disk, each row at its own length, and read back
-    memory-mapped in place; same values either way, padded and upcast only when a minibatch is taken."""
+    memory-mapped in place; same values either way, padded only when a minibatch is taken (and kept in their wire's
+    dtype: TaskFeatures.rows upcasts them on the training device)."""
     store = FeatureStore(["a", "b"], max_length=8, budget_bytes=budget, spill_dir=tmp_path)
     rows = {"a": _rows(0, 20), "b": _rows(1, 13)}
     held, peak, spilled = [], 0, 0  # by hand: the rows in memory, the most bytes they held, the bytes spilled
@@ -130,12 +131,12 @@ def test_feature_store_hands_rows_back_sorted_and_unpadded(tmp_path: Path, budge
                 assert np.array_equal(arrays[name].row(row), value)
         by_row = dict(expected)
         index = torch.tensor([3, 0, 7])
-        batch = arrays["bf16"][index]  # a minibatch: padded to its longest row, fp32
+        batch = arrays["bf16"][index]  # a minibatch: padded to its longest row, still in its wire's dtype
         longest = max(len(by_row[row]["mask"]) for row in index.tolist())
-        assert batch.dtype == torch.float32 and batch.shape == (3, longest, 3)
+        assert batch.dtype == torch.bfloat16 and batch.shape == (3, longest, 3)
         for i, row in enumerate(index.tolist()):
             value = by_row[row]["bf16"]
-            assert torch.equal(batch[i, : len(value)], float_tensor(value))
+            assert torch.equal(batch[i, : len(value)], wire_tensor(value))
             assert not batch[i, len(value):].any()  # zero padding
         assert np.array_equal(arrays["mask"].padded()[0, : len(by_row[0]["mask"])], by_row[0]["mask"])
 

@@ -276,7 +276,8 @@ def fit_coefficients(
     bar = tqdm(range(settings.coefficients.steps), desc="merge coefficients", unit="step", disable=not progress)
     for step in bar:
         optimizer.zero_grad(set_to_none=True)
-        total = module([(task.task, task.rows(index))
+        device = module.merge.coefficients.device
+        total = module([(task.task, task.rows(index, device))
                         for task, index in step_minibatches(features, settings.batch_size, generator)])
         total.backward()
         optimizer.step()

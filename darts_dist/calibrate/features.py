@@ -35,6 +35,18 @@ def expert_targets(
     return dict(hidden), next_token_entropy(logits)
 
 
+HOST = torch.device("cpu")
+
+
+def onto(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; from the host to a GPU through pinned memory with a non-blocking copy (pageable memory
+    is staged through a pinned buffer anyway, at about half the bandwidth), ordered before whatever the device's
+    stream does with it next."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass
 class TaskFeatures:
     """Everything training needs about one task's calibration set, computed once.
@@ -60,25 +72,26 @@ class TaskFeatures:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def rows(self, index: torch.Tensor) -> dict[str, object]:
-        """A minibatch of rows, trimmed to its longest real sequence, its hidden states in fp32.
+    def rows(self, index: torch.Tensor, device: torch.device = HOST) -> dict[str, object]:
+        """A minibatch of rows on `device`, trimmed to its longest real sequence, its hidden states in fp32.
 
         Hidden states may be kept in half precision or as `Ragged` rows (the Ray workers'); either way
-        `v[index]` is the rows at `index`, padded.
+        `v[index]` is the rows at `index`, padded, in the dtype they are kept in: they go to the device so (through
+        pinned memory to a GPU, `onto`) and are upcast to fp32 there.
         """
         mask = self.attention_mask[index]
         length = int(mask.sum(dim=1).max())
         cut = slice(0, length)
 
         def hidden(values) -> torch.Tensor:
-            return values[index][:, cut].float()
+            return onto(values[index][:, cut], device).float()
 
         return {
-            "input_ids": self.input_ids[index][:, cut],
-            "attention_mask": mask[:, cut],
-            "response_mask": self.response_mask[index][:, cut],
-            "positions": self.positions[index][:, cut],
-            "entropy": self.entropy[index][:, cut],
+            "input_ids": onto(self.input_ids[index][:, cut], device),
+            "attention_mask": onto(mask[:, cut], device),
+            "response_mask": onto(self.response_mask[index][:, cut], device),
+            "positions": onto(self.positions[index][:, cut], device),
+            "entropy": onto(self.entropy[index][:, cut], device),
             "targets": {k: hidden(v) for k, v in self.targets.items()},
             "merged": {k: hidden(v) for k, v in self.merged.items()},
             "start_hidden": None if self.start_hidden is None else hidden(self.start_hidden),

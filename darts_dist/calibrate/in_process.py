@@ -7,6 +7,7 @@ pipeline treats them alike.
 from __future__ import annotations
 
 import gc
+import logging
 from pathlib import Path
 
 from darts_dist.calibrate.features import collect_features
@@ -16,8 +17,17 @@ from darts_dist.config import CORRECTIONS_FILE, RunConfig
 from darts_dist.core import features_only, row_prompt_features
 from darts_dist.sources.corrections import save_corrections_for
 from darts_dist.sources.data import calibration_sets
-from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_compute, model_dtype, resolve_device
+from darts_dist.sources.models import (
+    load_causal_lm,
+    load_tokenizer,
+    model_compute,
+    model_dtype,
+    resolve_device,
+    why_this_device,
+)
 from darts_dist.sources.references import ResolvedSources
+
+logger = logging.getLogger(__name__)
 
 
 def calibrate_stage(
@@ -27,6 +37,8 @@ def calibrate_stage(
     settings = config.calibration
     device = resolve_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
+    logger.info("calibrate: in this process, on %s in %s", why_this_device(settings.device, device),
+                str(dtype).removeprefix("torch."))
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
     features, prompt_features = [], {}
     sets = calibration_sets(config, sources.data, load_tokenizer(sources.base))

@@ -129,6 +129,7 @@ def calibrate_in_process(
     if not features_only(corrections.layer_keys) and merged_model is None:
         raise ValueError("surgery at decoder layers trains through the merged model: pass merged_model")
     generator = torch.Generator().manual_seed(settings.seed)
+    device = next(corrections.parameters()).device  # where the minibatches go: the corrections' device
     optimizer = torch.optim.Adam(corrections.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
     handle = None
     if merged_model is not None and not features_only(corrections.layer_keys):
@@ -146,7 +147,7 @@ def calibrate_in_process(
             for task, index in step_minibatches(features, settings.batch_size, generator):
                 loss = calibration_loss(
                     corrections,
-                    task.rows(index),
+                    task.rows(index, device),
                     task.task_index,
                     settings.beta_for(task.task),
                     settings.weight_on_for(task.task),

@@ -340,6 +340,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def why_this_device(setting: str, device: torch.device) -> str:
+    """Why a `device` setting (calibration.device) resolved to `device` in this process, for the log: a CPU where
+    the user may have expected a GPU says why."""
+    if device.type != "cpu":
+        return f"{device.type} ({setting})"
+    if setting == "cpu":
+        return "cpu (calibration.device: cpu" + (", though this machine has a GPU)" if torch.cuda.is_available() else ")")
+    return ("cpu (no CUDA device: torch " + torch.__version__ + (" is a CPU build)" if torch.version.cuda is None
+                                                                 else " finds no GPU)"))
+
+
 def model_dtype(name: str, device: torch.device) -> torch.dtype:
     """The torch dtype a role set to `name` (config.ComputeDtype) computes in on `device`: the name itself on any
     device, `auto` bfloat16 on GPUs and float32 on CPUs."""

@@ -6,7 +6,8 @@ in memory and on disk a task's field is one flat [tokens, ...] array (no padding
 at 2048 tokens would multiply the disk a short row takes), and `arrays(task)` hands back `Ragged` views
 in row-id order (so a run does not depend on the order the stream delivered them) without rewriting the
 spill files. Hidden states keep the dtype they travelled in (bf16 as its raw 16 bits); a minibatch is
-padded and upcast to fp32 when training takes it (`Ragged.__getitem__`).
+padded when training takes it (`Ragged.__getitem__`), then taken to the training device and upcast to fp32 there
+(`TaskFeatures.rows`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ import numpy as np
 import torch
 
 
-def float_tensor(array: np.ndarray) -> torch.Tensor:
-    """fp32 values of an array of hidden states as they travel: fp32, fp16, or bf16 bits (uint16)."""
+def wire_tensor(array: np.ndarray) -> torch.Tensor:
+    """An array of hidden states as they travel, as a tensor of their dtype: fp32, fp16, or bf16 (its bits as
+    uint16)."""
     tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if tensor.dtype == torch.uint16:
-        tensor = tensor.view(torch.bfloat16)
-    return tensor.float()
+    return tensor.view(torch.bfloat16) if tensor.dtype == torch.uint16 else tensor
 
 
 def _starts(lengths: np.ndarray) -> np.ndarray:
@@ -55,11 +55,13 @@ class Ragged:
         return out
 
     def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
-        """The rows at `index` as one fp32 tensor, right-padded with zeros to their longest: a training minibatch."""
-        rows = [self.row(int(i)) for i in index]
-        out = torch.zeros((len(rows), max(map(len, rows), default=0), *self.values.shape[1:]))
+        """The rows at `index` as one tensor in their travelled dtype, right-padded with zeros to their longest: a
+        training minibatch (`TaskFeatures.rows` takes it to the device and upcasts it there)."""
+        rows = [wire_tensor(self.row(int(i))) for i in index]
+        dtype = rows[0].dtype if rows else torch.float32
+        out = torch.zeros((len(rows), max(map(len, rows), default=0), *self.values.shape[1:]), dtype=dtype)
         for i, row in enumerate(rows):
-            out[i, : len(row)] = float_tensor(row)
+            out[i, : len(row)] = row
         return out
 
 

@@ -113,7 +113,7 @@ class CalibrationModule(nn.Module):
         for task, rows in minibatches:
             loss = loss + calibration_loss(
                 self.corrections,
-                _to(rows, device),
+                rows,
                 tasks.index(task),
                 self.settings.beta_for(task),
                 self.settings.weight_on_for(task),
@@ -121,14 +121,6 @@ class CalibrationModule(nn.Module):
                 handle=self.handle,
             )
         return loss
-
-
-def _to(value: object, device: torch.device) -> object:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {key: _to(item, device) for key, item in value.items()}
-    return value
 
 
 def deepspeed_config(settings: CalibrationSection, zero_stage: int) -> dict[str, object]:
@@ -547,11 +539,13 @@ def train_steps(
         step_minibatches(features, settings.batch_size, generator)
     on_step: StepCallback | None = config["on_step"] if rank == 0 else None
     rows_per_step = settings.batch_size * len(features) * dist.get_world_size()
+    device = worker_device()
     started = step_started = time.time()
     for step in range(state.step + 1, settings.steps + 1):
         if step == config["fail_at_step"] and state.resumed_from is None and rank == 0:
             raise RuntimeError(f"injected failure in step {step} ({FAIL_WORKER_AT_STEP})")
-        minibatches = [(task.task, task.rows(index))
+        # Each minibatch goes to the rank's device in the dtype the stream kept it in, upcast there.
+        minibatches = [(task.task, task.rows(index, device))
                        for task, index in step_minibatches(features, settings.batch_size, generator)]
         loss = engine(minibatches)
         engine.backward(loss)

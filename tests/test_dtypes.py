@@ -1,0 +1,214 @@
+"""The GPU's dtypes on a CPU: the evaluation's corrected head in bf16 (its numbers derived from bf16's epsilon), the
+compute dtype's settings and refusals, and the registered model's device and dtype."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from darts_dist.cli import main
+from darts_dist.config import ServeSection, compute_dtype_name, parse_config
+from darts_dist.core import CorrectionSpec, DartsCorrections, attach_corrections, token_nll
+from darts_dist.evaluate.passes import corrected_outputs, merged_outputs, reference
+from darts_dist.sources.data import TaskFiles, tokenized
+from darts_dist.sources.demo.tiny import build_tiny_tokenizer
+from darts_dist.sources.models import missing_kernel, model_compute, model_dtype
+from darts_dist.sources.references import demo_data
+
+U = torch.finfo(torch.bfloat16).eps / 2  # bf16's unit roundoff: a value rounded to bf16 is within U of it, relatively
+
+
+@pytest.fixture(scope="module")
+def heldout(tiny_family):
+    """Eight held-out math rows, and strong random corrections (the identity would hide every dtype boundary)."""
+    config = parse_config({"sources": {"base": str(tiny_family.base), "experts": [
+        {"task": "math", "path": str(tiny_family.experts["math"])}]}, "calibration": {"max_length": 96}})
+    files = TaskFiles(calibration=demo_data()["math"]["heldout"], heldout=demo_data()["math"]["heldout"])
+    data = tokenized(files, "math", "heldout", config.calibration, build_tiny_tokenizer())
+    batch = {name: getattr(data, name)[:8] for name in ("input_ids", "attention_mask", "response_mask")}
+    torch.manual_seed(3)
+    corrections = DartsCorrections(CorrectionSpec(("code", "math"), 64, rank=4, max_positions=96), ["final"])
+    with torch.no_grad():
+        for parameter in corrections.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    return batch, corrections
+
+
+def _model(path: Path, dtype: torch.dtype):
+    from darts_dist.sources.models import load_causal_lm
+
+    return load_causal_lm(path, dtype=dtype)
+
+
+def test_the_corrected_nll_in_bf16_is_the_hooked_models_and_within_bf16_rounding_of_fp32(tiny_family, heldout) -> None:
+    """A bf16 model's corrected NLL (final-layer corrections, the 7B examples' `layers: [final]`): the evaluation's
+    shortcut (correct the plain pass's h, then lm_head) gives what the model with the corrections hooked in gives,
+    and what fp32 arithmetic gives on the same weights and the same h.
+
+    The bounds come from bf16's epsilon. Hooked and shortcut round the same ĥ and differ only in how the head's
+    matrix product is blocked, so a logit differs by at most one bf16 unit in the last place (2U of it): the NLL, a
+    log-softmax, moves by at most twice the largest logit change. Against fp32 arithmetic the bf16 path rounds ĥ
+    (within U, relatively) and each logit (within U): |Δz_v| ≤ U·Σ_i |W_vi|·|ĥ_i| + U·|z_v| per token, and
+    |ΔNLL| ≤ 2·max_v |Δz_v|."""
+    batch, corrections = heldout
+    merged = _model(tiny_family.base, torch.bfloat16)
+    expert = _model(tiny_family.experts["math"], torch.bfloat16)
+    ref = reference(expert, batch, "final")
+    plain = merged_outputs(merged, batch, "final")
+    shortcut = corrected_outputs(merged, ref, plain, corrections, 1, "final")
+    assert plain.hidden.dtype == torch.bfloat16 and plain.hidden.device.type == "cpu"  # kept as the model made it
+    counted = ref.nll_mask
+
+    weights = torch.zeros(8, 2)
+    weights[:, 1] = 1.0
+    with attach_corrections(merged, corrections) as handle, torch.no_grad():
+        handle.set_task_weights(weights)
+        logits = merged(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    hooked, hooked_counted = token_nll(logits, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
+    assert torch.equal(counted, hooked_counted) and counted.any()
+    one_ulp = 2 * (2 * U) * logits.float().abs().amax(-1)[:, :-1]
+    assert ((shortcut.nll - hooked).abs() <= one_ulp)[counted].all()
+
+    # fp32 arithmetic on the same weights (the bf16 model's, exactly) and the same h^m.
+    head = merged.get_output_embeddings().weight.float()
+    with torch.no_grad():
+        corrected = corrections["final"](plain.hidden.float(), ref.positions, weights)
+        exact_logits = corrected[:, :-1] @ head.T
+    exact = torch.nn.functional.cross_entropy(exact_logits[counted], batch["input_ids"][:, 1:][counted],
+                                              reduction="none")
+    bound = 2 * (U * (corrected[:, :-1].abs() @ head.abs().T) + U * exact_logits.abs()).amax(-1)[counted]
+    assert ((shortcut.nll[counted] - exact).abs() <= bound).all()
+    # Not vacuous: the correction moves the NLL by far more than bf16's rounding may.
+    assert (plain.nll[counted] - shortcut.nll[counted]).abs().mean() > 5 * bound.mean()
+
+
+def test_auto_is_bf16_on_gpus_and_fp32_on_cpus_and_a_named_dtype_holds_everywhere() -> None:
+    assert [compute_dtype_name("auto", on_gpu) for on_gpu in (True, False)] == ["bfloat16", "float32"]
+    assert [compute_dtype_name("bfloat16", on_gpu) for on_gpu in (True, False)] == ["bfloat16", "bfloat16"]
+    assert model_dtype("auto", torch.device("cpu")) == torch.float32
+    assert model_dtype("float16", torch.device("cpu")) == torch.float16
+    config = parse_config({"sources": {"base": "b", "experts": [{"task": "t", "path": "p"}]},
+                           "calibration": {"dtype": "bfloat16"}})
+    # The replicas compute as the run evaluated the model, unless serve.dtype says otherwise.
+    assert config.serving.dtype == "bfloat16"
+    assert parse_config({**config.model_dump(), "serve": {"dtype": "float32"}}).serving.dtype == "float32"
+    # A wide model's fp32 CPU experts send bf16; bf16 experts send what they compute, at any width.
+    assert config.calibration.wire_dtype_for(64, on_gpu=False) == "bfloat16"
+    assert parse_config({**config.model_dump(), "calibration": {"dtype": "float32"}}).calibration.wire_dtype_for(
+        64, on_gpu=False) == "float32"
+    assert ServeSection().dtype == "auto"
+
+
+def test_a_dtype_the_device_has_no_kernels_for_is_named_and_refused_before_any_work(tmp_path: Path, capsys,
+                                                                                      monkeypatch) -> None:
+    assert missing_kernel(torch.bfloat16, "cpu") is None and missing_kernel(torch.float32, "cpu") is None
+    assert "Float8_e4m3fn" in missing_kernel(torch.float8_e4m3fn, "cpu")  # a dtype torch's CPU cannot compute in
+    # A CPU without float16 kernels (torch has them here): the command stops before the run folder exists.
+    monkeypatch.setattr("darts_dist.sources.models.missing_kernel",
+                        lambda dtype, device: "no kernel" if dtype == torch.float16 else None)
+    code = main(["demo", "--tiny", "--in-process", "--dtype", "float16", "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot compute a model in float16: no kernel" in err and "fix:" in err, err
+    assert not (tmp_path / "out").exists()
+    assert main(["demo", "--tiny", "--dtype", "float8", "--output-dir", str(tmp_path / "out")]) == 2
+    assert "--dtype (calibration.dtype)" in capsys.readouterr().err
+
+
+def test_the_registered_model_computes_where_its_model_config_says(tiny_family, tmp_path: Path) -> None:
+    """The pyfunc's device and dtype come from its model_config: as logged (the run's dtype), or as load_model
+    overrides it."""
+    import mlflow
+    from darts_dist.tracking.registry import log_pyfunc_model
+    from darts_dist.tracking.runs import TRACKING_URI_ENV, connect, environment, experiment_id
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = connect(uri)
+    run_id = client.create_run(experiment_id(client, uri, "dtypes")).info.run_id
+    logged = log_pyfunc_model(uri, run_id, tiny_family.base, None, None, dtype="bfloat16")
+    with environment(**{TRACKING_URI_ENV: uri}):
+        as_logged = mlflow.pyfunc.load_model(logged)
+        overridden = mlflow.pyfunc.load_model(logged, model_config={"dtype": "auto"})
+    for model, dtype in ((as_logged, "bfloat16"), (overridden, "float32")):
+        lm = model.unwrap_python_model().lm
+        assert model_compute(lm.model) == f"cpu {dtype}"
+    import pandas as pd
+
+    answer = as_logged.predict(pd.DataFrame({"prompt": ["Question: 2 + 3?\nAnswer:"]}), params={"max_new_tokens": 3})
+    assert answer["completion_tokens"].tolist() == [3] or answer["finish_reason"].tolist() == ["stop"]
+    assert json.loads(json.dumps(answer["text"].tolist()))  # text came back
+
+
+def _bf16_everywhere(report: dict) -> None:
+    """Every role that computed says so in the report, in bfloat16 on this machine's CPU."""
+    assert report["compute"] and set(report["compute"].values()) == {"cpu bfloat16"}, report["compute"]
+
+
+@pytest.mark.slow
+def test_the_whole_job_runs_in_bf16_on_every_path(ray_cluster, tiny_family, tmp_path: Path) -> None:
+    """The GPU's dtype through every command on a CPU: RegMean's Gram actors, Ray calibration at ZeRO-3 over two
+    workers, the router, evaluation on Ray, registration (its pyfunc predicting in bf16), a served OpenAI request,
+    and the export loaded by transformers alone; then mergekit's merge, calibration and evaluation in-process
+    (`demo --tiny --in-process`). ZeRO-0 on Ray in bf16 is test_fake_gpus's 7B layout."""
+    import mlflow
+    import openai
+    import pandas as pd
+    from serving import free_port, serve_process
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = {
+        "name": "bf16", "output_dir": str(tmp_path / "runs"),
+        "sources": {"base": str(tiny_family.base), "experts": [
+            {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": f"demo:{t}", "heldout": f"demo:{t}"}}
+            for t in ("code", "math")]},
+        "merge": {"method": "regmean"},
+        "calibration": {"rank": 4, "max_positions": 128, "num_samples": 16, "max_length": 128, "batch_size": 4,
+                        "steps": 12, "learning_rate": 0.01},
+        "cluster": {"num_workers": 2, "zero_stage": 3},
+        "evaluation": {"executor": "ray", "score_limit": 2, "max_new_tokens": 4, "score_base": False},
+        "tracking": {"uri": f"sqlite:///{tmp_path}/mlflow.db"},
+    }
+    (tmp_path / "bf16.yaml").write_text(json.dumps(config))
+    report_path = tmp_path / "report.json"
+    assert main(["calibrate", str(tmp_path / "bf16.yaml"), "--dtype", "bfloat16", "--report", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    _bf16_everywhere(report)
+    assert {"Gram actor (math)", "calibration worker", "router", "evaluation actor (merged)",
+            "registration check"} <= set(report["compute"])
+    assert report["config"]["calibration"]["dtype"] == "bfloat16"
+    assert report["calibration"]["final_loss"] < report["calibration"]["first_loss"]
+    darts = report["variants"]["darts"]["overall"]
+    assert darts["nll_corrected"] < darts["nll_merged"]
+
+    uri = report["tracking"]["uri"]
+    with mlflow.tracking._tracking_service.utils._use_tracking_uri(uri):  # noqa: SLF001 (the store of this run)
+        champion = mlflow.pyfunc.load_model("models:/darts-dist-bf16@champion")
+    assert model_compute(champion.unwrap_python_model().lm.model) == "cpu bfloat16"
+    answer = champion.predict(pd.DataFrame({"prompt": ["def f(x):"], "task": ["code"]}), params={"max_new_tokens": 3})
+    assert answer["completion_tokens"].tolist()[0] >= 1
+
+    run_dir = tmp_path / "runs" / "bf16"
+    port = free_port()
+    with serve_process([str(run_dir)], tmp_path, port):  # serve.dtype auto: the run's bfloat16
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.completions.create(model="darts-dist-bf16:code", prompt="def f(x):", max_tokens=4,
+                                          temperature=0)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz") as response:
+            health = json.loads(response.read())
+    assert reply.usage.completion_tokens >= 1 and health["dtype"] == "bfloat16"
+
+    out = tmp_path / "exported"
+    assert main(["export", str(run_dir), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype="auto")
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("def f(x):", return_tensors="pt")
+    assert next(exported.parameters()).dtype == torch.bfloat16
+    assert exported.generate(**ids, max_new_tokens=3, do_sample=False).shape[1] > ids["input_ids"].shape[1]
+
+    in_process = tmp_path / "in-process.json"
+    assert main(["demo", "--tiny", "--in-process", "--dtype", "bfloat16", "--steps", "10", "--score-limit", "1",
+                 "--output-dir", str(tmp_path / "demo"), "--report", str(in_process)]) == 0
+    _bf16_everywhere(json.loads(in_process.read_text()))
