@@ -24,6 +24,7 @@ from darts_dist.config import (
     load_config,
     packaged_config,
     read_yaml,
+    updated,
 )
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import evaluation_tables
@@ -287,11 +288,15 @@ def cmd_merge_sweep(args: argparse.Namespace) -> None:
 
 
 def cmd_register(args: argparse.Namespace) -> None:
-    from darts_dist.tracking.registry import register_run
+    from darts_dist.plan.check import check_registration
+    from darts_dist.tracking.registry import calibration_config, register_run
     from darts_dist.tracking.runs import connect, tracking_uri
 
     run_id, configured, report_path = _registration_target(args.run)
     client = connect(tracking_uri(configured))
+    config = calibration_config(client, run_id)
+    check_registration(updated(config, calibration=updated(config.calibration, dtype=args.dtype))
+                       if args.dtype else config)
     if report_path is not None:
         _complete_offline_run(client, report_path)
     registration = register_run(client, run_id, name=args.name, alias=args.alias, dtype=args.dtype)

@@ -83,6 +83,31 @@ def test_the_7b_shape_takes_four_distinct_gpus_and_the_driver_loads_no_model(
     assert memory["device"] == "cpu" and len(memory["workers"]) == 1 and sorted(memory["experts"]) == sorted(TASKS)
     assert all(peak > 0 for peak in [*memory["workers"], *memory["experts"].values()])
     assert sorted(result["evaluation_memory"]) == sorted(["merged", *(f"expert {t}" for t in TASKS)])
+    # The config's bfloat16 held in every role, on CPUs as it would on GPUs.
+    assert set(result["compute"].values()) == {"cpu bfloat16"} and "registration check" in result["compute"]
+
+
+def test_evaluate_and_register_load_no_model_on_the_driver(ray_cluster, tiny_family, tmp_path, driver_loads) -> None:
+    """`evaluate` evaluates in actors of its own; `register` (here a run whose model was never logged: its tags
+    taken off) checks the logged model in a GPU role's Ray task, as the pipeline's registration does."""
+    from darts_dist.tracking.registry import MODEL_URI_TAG, VERSION_TAG
+    from mlflow import MlflowClient
+
+    config = gpu_config(tiny_family, tmp_path, tasks=("code", "math"))
+    report = tmp_path / "report.json"
+    assert main(["calibrate", str(config), "--report", str(report)]) == 0
+    result = json.loads(report.read_text())
+    driver_loads.clear()
+    assert main(["evaluate", str(config), "--report", str(tmp_path / "evaluation.json")]) == 0
+    assert json.loads((tmp_path / "evaluation.json").read_text())["variants"]["darts"]["tasks"].keys() == {"code",
+                                                                                                            "math"}
+    client = MlflowClient(result["tracking"]["uri"])
+    calibration = result["tracking"]["stage_runs"]["calibration"]
+    for tag in (MODEL_URI_TAG, VERSION_TAG):
+        client.delete_tag(calibration, tag)
+    assert main(["register", str(report), "--report", str(tmp_path / "registered.json")]) == 0
+    assert json.loads((tmp_path / "registered.json").read_text())["tracking"]["version"] == "2"
+    assert driver_loads == []
 
 
 def test_two_training_ranks_never_share_a_gpu(ray_cluster, tiny_family, tmp_path, driver_loads) -> None:

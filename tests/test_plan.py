@@ -225,14 +225,21 @@ def test_the_driver_holds_no_model_when_the_models_are_on_gpus(llama2_7b: Path) 
     config = load_config(llama2_7b)
     plan = build_plan(config)
     driver = plan.driver
-    # Only the merge, on the CPU: the four models' fp16 files mapped and read once, a 5 GB output shard held.
-    assert list(driver.stages) == ["merge"] and "weights" not in driver.parts
+    # Only the merge and an export, on the CPU: the four models' fp16 files mapped and read once, a 5 GB output
+    # shard held; an export reads one 5 GB shard and casts it.
+    assert list(driver.stages) == ["merge", "export"] and "weights" not in driver.parts
     assert driver.parts["mapped inputs"] == 4 * plan.merged.weight_bytes("float16")
-    assert driver.resident_bytes - driver.memory["calibration rows"] == 5 * 10**9
+    assert driver.resident_bytes - driver.memory["calibration rows"] == 2 * 5 * 10**9
+    # MLflow's check of the logged model takes a GPU of its own, in the run's bf16.
+    [check] = [role for role in plan.roles if role.phase == "registration"]
+    assert check.device == "GPU" and check.memory["weights"] > plan.merged.weight_bytes("bfloat16")
     cpu = parse_config(config.model_dump(mode="json") | {"cluster": {"use_gpu": False}})
-    on_cpu = build_plan(cpu).driver
-    # On CPUs evaluation runs in-process: the merged model and one other at a time, in fp32.
-    assert on_cpu.stages["in-process"]["weights"] == 2 * build_plan(cpu).merged.weight_bytes("float32")
+    on_cpu = build_plan(cpu)
+    # On CPUs evaluation runs in-process: the merged model and one other at a time, in the config's dtype (which
+    # the CPU computes in too), and the registration check on the driver.
+    assert on_cpu.driver.stages["in-process"]["weights"] == 2 * on_cpu.merged.weight_bytes("bfloat16")
+    assert "router and registration check" in on_cpu.driver.stages
+    assert not [role for role in on_cpu.roles if role.phase == "registration"]
 
 
 def test_a_role_holds_its_largest_stage_and_needs_no_memory_for_inputs_read_once() -> None:
@@ -289,3 +296,27 @@ def test_regmean_gram_actors_hold_an_experts_grams_and_the_driver_solves_one_lin
     small = nodes_file(tmp_path, {"CPU": 16, "GPU": 4, "memory": 256 * GIB})
     found = problems(plan.roles, json.loads(small.read_text()), 24 * GIB)
     assert any(line.startswith("merge: Gram actor (code) needs") for line in found), found
+
+
+def test_an_evaluation_keeps_its_passes_in_host_memory_and_the_plan_counts_them(tiny_family, tmp_path: Path) -> None:
+    """Kept passes are each held-out token's hidden state in the compute dtype: an expert actor's over its task's
+    rows, the merged actor's over every task's, with the experts' it judges against; host memory beside a GPU."""
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(30)))
+    experts = [{"task": t, "path": str(p), "data": {"calibration": str(heldout), "heldout": str(heldout)}}
+               for t, p in tiny_family.experts.items()]
+    config = parse_config({"name": "t", "sources": {"base": str(tiny_family.base), "experts": experts},
+                           "calibration": {"max_length": 16, "dtype": "bfloat16"},
+                           "cluster": {"use_gpu": True}, "evaluation": {"executor": "ray"}})
+    plan = build_plan(config)
+    token_bytes = 16 * plan.merged.hidden_size * 2  # a row's tokens at most, bf16
+    actors = {role.name: role for role in plan.roles if role.phase == "evaluation"}
+    assert actors["evaluation actor (code)"].host == {"kept outputs": 30 * token_bytes}
+    assert actors["evaluation actor (merged)"].host == {"kept outputs": 2 * 3 * 30 * token_bytes}
+    assert "kept outputs" not in actors["evaluation actor (merged)"].parts  # not on the GPU
+    in_process = build_plan(parse_config(config.model_dump(mode="json") | {"cluster": {"use_gpu": False},
+                                                                           "evaluation": {"executor": "in-process"}}))
+    assert in_process.driver.stages["in-process"]["kept outputs"] == 2 * 30 * token_bytes
+    # A node without the host memory for them is refused.
+    assert any("keeps" in p and "host memory" in p for p in problems(
+        plan.roles, [{"CPU": 64, "GPU": 8, "memory": 2 * 3 * 30 * token_bytes - 1}], 80 * GIB))

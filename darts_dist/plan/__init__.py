@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from darts_dist.config import RunConfig
 from darts_dist.plan.roles import (Role, calibration_roles, correction_parameters, driver_role, evaluation_roles,
-                                   merge_roles, serving_role)
+                                   merge_roles, registration_roles, serving_role)
 from darts_dist.plan.shapes import ModelShape, model_shape
 
 
@@ -33,8 +33,10 @@ def build_plan(config: RunConfig) -> Plan:
     shape)."""
     merged = model_shape(config.sources.base)
     experts = {e.task: model_shape(e.path) for e in config.sources.experts}
-    roles = [*merge_roles(config, experts), *calibration_roles(config, experts, merged), *evaluation_roles(config, experts, merged),
-             serving_role(config.serving, merged, correction_parameters(config, merged)), driver_role(config, experts, merged)]
+    roles = [*merge_roles(config, experts), *calibration_roles(config, experts, merged),
+             *evaluation_roles(config, experts, merged), *registration_roles(config, merged),
+             serving_role(config.serving, merged, correction_parameters(config, merged)),
+             driver_role(config, experts, merged)]
     return Plan(merged, experts, roles, correction_parameters(config, merged))
 
 

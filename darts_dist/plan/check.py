@@ -109,6 +109,19 @@ def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
     return plan
 
 
+def check_registration(config: RunConfig) -> None:
+    """`register`: the compute dtype, and MLflow's check of the logged model on the run's cluster (a GPU role where
+    the models are on GPUs). Where the run's models are not readable here (another machine's paths), only the
+    dtype is checked."""
+    check_dtype(config)
+    try:
+        plan = build_plan(config)
+    except DartsError as error:
+        logger.info("register: the run's models are not readable here (%s): not checking the cluster", error.what)
+        return
+    check_launch([role for role in plan.roles if role.phase == "registration"], config.cluster)
+
+
 def check_serving(source: ModelSource, config: RunConfig | None, settings: ServeSection,
                   address: str | None = None) -> Role:
     """`serve` and `serve-deploy`: the replicas on the cluster they deploy onto. The model's shape comes from the

@@ -17,7 +17,7 @@ GIB = 1 << 30
 # Memory of one GPU by Ray's accelerator type (the largest variant where a type comes in several).
 GPU_MEMORY_GIB = {"H200": 141, "H100": 80, "A100": 80, "L40S": 48, "L40": 48, "A6000": 48, "A10G": 24, "A10": 24,
                   "L4": 24, "V100": 32, "T4": 16}
-PHASES = ("merge", "calibration", "evaluation", "serving")
+PHASES = ("merge", "calibration", "evaluation", "registration", "serving")
 
 
 def read_nodes(address: str | None = None, resources: Path | None = None) -> list[dict[str, float]]:
@@ -88,6 +88,10 @@ def size_problems(roles: Sequence[Role], nodes: Sequence[dict[str, float]], gpu_
     node_memory = max((node.get("memory", 0.0) for node in nodes), default=0.0)
     for role in roles:
         share = role.bundle.get("GPU", 0)
+        host = sum(role.host.values())
+        if host and node_memory and host > node_memory:
+            found.append(f"{role.phase}: {role.name} keeps {host / GIB:.1f} GiB in host memory beside its GPU's, the "
+                         f"largest node has {node_memory / GIB:.1f} GiB")
         if share > 0 and gpu_bytes is not None:
             # A fractional GPU shares its device: 1/share such actors on one GPU.
             need = role.bytes / share

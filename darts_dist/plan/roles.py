@@ -12,15 +12,18 @@ evaluation actor's scoring passes, then its generation) holds its largest stage 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from darts_dist.calibrate.layers import concrete_layers
 from darts_dist.config import RunConfig, ServeSection, compute_dtype_name
 from darts_dist.core import CorrectionSpec, expected_parameter_count
+from darts_dist.errors import DartsError
 from darts_dist.evaluate.on_ray import uses_ray
 from darts_dist.merge.mergekit import REGMEAN
 from darts_dist.plan.shapes import ITEMSIZE, ModelShape
 from darts_dist.ray_cluster.placement import Bundle, expert_bundle, worker_bundle
+from darts_dist.sources.references import heldout_rows
 
 TOKEN_ROW_BYTES = 17  # input ids and attention mask (int64) and the response mask (bool) of a token
 ADAM_BYTES = 16  # per trained parameter: fp32 value, gradient, two moments
@@ -32,13 +35,16 @@ MAPPED_INPUTS = "mapped inputs"  # weight files mapped and read once: page cache
 @dataclass(frozen=True)
 class Role:
     name: str
-    phase: str  # merge, calibration, evaluation, serving or driver: roles of one phase run at once
+    phase: str  # merge, calibration, evaluation, registration, serving or driver: roles of one phase run at once
     count: int
     bundle: Bundle  # Ray resources of one instance
     memory: dict[str, int] = field(default_factory=dict)  # one instance's bytes held throughout, by what holds them
     # Work one instance does one stage after another, each stage's bytes by what holds them: only the largest
     # stage is held beside `memory` (the driver's merge, then its router; an evaluation's scoring, then answers).
     stages: dict[str, dict[str, int]] = field(default_factory=dict)
+    # A GPU role's bytes in its node's host memory, beside the GPU's (an evaluation's passes, which leave the
+    # device batch by batch); a CPU role holds such bytes in `memory`.
+    host: dict[str, int] = field(default_factory=dict)
 
     @property
     def device(self) -> str:
@@ -66,6 +72,33 @@ class Role:
         held = sum(self.memory.values())
         return held + max((sum(v for part, v in stage.items() if part != MAPPED_INPUTS)
                            for stage in self.stages.values()), default=0)
+
+
+def _held(role_on_gpu: bool, parts: dict[str, int]) -> dict[str, dict[str, int]]:
+    """`parts` a role keeps in host memory: as its `host` on a GPU role, in its `memory` on a CPU one."""
+    return {"host": parts} if role_on_gpu else {"memory": parts}
+
+
+def kept_outputs(config: RunConfig, merged: ModelShape, tasks: Sequence[str] | None = None) -> int:
+    """What an evaluation keeps of one model's passes over `tasks`' held-out rows (default: every task's), in host
+    memory: each token's hidden state in the compute dtype (evaluate.passes), at most `max_length` tokens a row;
+    tasks whose held-out rows are unknown here count nothing."""
+    rows = heldout_row_counts(config)
+    c = config.calibration
+    item = ITEMSIZE[compute_dtype_name(c.dtype, config.models_on_gpus)]
+    return sum(rows.get(task) or 0 for task in (tasks or config.tasks)) * c.max_length * merged.hidden_size * item
+
+
+def heldout_row_counts(config: RunConfig) -> dict[str, int | None]:
+    """Each task's held-out rows; None without held-out data, or where its file is not readable here (a cluster's
+    path)."""
+    counts: dict[str, int | None] = {}
+    for expert in config.sources.experts:
+        try:
+            counts[expert.task] = None if expert.data is None else heldout_rows(expert.data)
+        except DartsError:
+            counts[expert.task] = None
+    return counts
 
 
 def surgery_layer_count(config: RunConfig, num_layers: int) -> int:
@@ -179,6 +212,10 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
     item = ITEMSIZE[dtype]
     answer = e.max_new_tokens or LONGEST_ANSWER
     models = {"merged": merged, **experts, **({"base": merged} if e.score_base else {})}
+    # Kept passes: an expert's over its task's rows (until they travel), the merge's over every task's together with
+    # every expert's it judges against.
+    kept = {name: kept_outputs(config, merged, [name]) for name in experts}
+    kept["merged"] = 2 * kept_outputs(config, merged)
     roles = []
     for name, shape in models.items():
         stages = {}
@@ -189,9 +226,22 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
             rows = e.generation_batch_size
             stages["answers"] = {"kv cache": rows * (c.max_length + answer) * shape.kv_bytes_per_token(dtype),
                                  "activations": _forward(shape, rows, c.max_length, item)}
-        roles.append(Role(f"evaluation actor ({name})", "evaluation", 1, expert_bundle(config.cluster),
-                          {"weights": shape.weight_bytes(dtype)}, stages))
+        held = _held(config.cluster.use_gpu, {"kept outputs": kept[name]} if kept.get(name) else {})
+        memory = {"weights": shape.weight_bytes(dtype), **held.get("memory", {})}
+        roles.append(Role(f"evaluation actor ({name})", "evaluation", 1, expert_bundle(config.cluster), memory,
+                          stages, host=held.get("host", {})))
     return roles
+
+
+def registration_roles(config: RunConfig, merged: ModelShape) -> list[Role]:
+    """MLflow's check of the logged model (it loads the model and generates a few tokens) in a GPU role's Ray task
+    when the models are on GPUs (tracking.registry.log_checked_model); else the driver holds it (driver_role)."""
+    if not config.models_on_gpus:
+        return []
+    dtype = compute_dtype_name(config.calibration.dtype, on_gpu=True)
+    return [Role("registration check", "registration", 1, expert_bundle(config.cluster), {
+        "weights": merged.weight_bytes(dtype) + correction_parameters(config, merged) * 4,
+        "activations": _forward(merged, 1, config.calibration.max_length, ITEMSIZE[dtype])})]
 
 
 def serving_role(settings: ServeSection, merged: ModelShape | None, correction_parameters: int) -> Role:
@@ -230,26 +280,33 @@ def regmean_stage(config: RunConfig, experts: dict[str, ModelShape], merged: Mod
     stage = {"merge output": min(merged.weight_bytes("float32"), MERGE_SHARD_BYTES),
              "solve": _solve_bytes(merged, len(experts))}
     if not config.cluster.on_ray:
-        stage["experts and their grams"] = sum(s.weight_bytes("float32") + gram_bytes(s) for s in experts.values())
+        dtype = compute_dtype_name(config.calibration.dtype, on_gpu=False)
+        stage["experts and their grams"] = sum(s.weight_bytes(dtype) + gram_bytes(s) for s in experts.values())
     return stage
 
 
 def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> Role:
-    """The driver (the head node): the tokenised calibration sets throughout; in stages the merge (merge_stages)
-    and, unless the models are on GPU actors, the models it runs itself: the merged one for the router's held-out
-    check and for MLflow's check of the logged model (fp32 on its CPU), the merged one and one other at a time for
-    an evaluation or a calibration in-process."""
+    """The driver (the head node): the tokenised calibration sets throughout; in stages the merge (merge_stages),
+    an export (one shard of the merged weights read and cast) and, unless the models are on GPU actors, the models
+    it runs itself, on its CPU in the compute dtype: the merged one for the router's held-out check and for MLflow's
+    check of the logged model, the merged one and one other at a time (and one task's kept passes) for an
+    evaluation or a calibration in-process."""
     c = config.calibration
+    dtype = compute_dtype_name(c.dtype, on_gpu=False)
+    item = ITEMSIZE[dtype]
     memory = {"calibration rows": len(config.tasks) * c.num_samples * c.max_length * TOKEN_ROW_BYTES}
     stages = merge_stages(experts, merged)
     if config.merge.method == REGMEAN:
         stages["regmean"] = regmean_stage(config, experts, merged)
+    stages["export"] = {"export shard": 2 * min(merged.weight_bytes(merged.saved_dtype), MERGE_SHARD_BYTES)}
     if not config.models_on_gpus:
-        stages["router"] = {"weights": merged.weight_bytes("float32"),
-                            "activations": _forward(merged, c.batch_size, c.max_length, 4)}
+        stages["router and registration check"] = {"weights": merged.weight_bytes(dtype),
+                                                   "activations": _forward(merged, c.batch_size, c.max_length, item)}
     if not uses_ray(config) or config.cluster.executor != "ray":  # the merged model and one other at a time
-        other = max(shape.weight_bytes("float32") for shape in experts.values())
-        stages["in-process"] = {"weights": merged.weight_bytes("float32") + other,
-                                "logits": _nll_logits(merged, c.batch_size, c.max_length, 4),
-                                "activations": _forward(merged, c.batch_size, c.max_length, 4)}
+        other = max(shape.weight_bytes(dtype) for shape in experts.values())
+        largest = max(config.tasks, key=lambda task: kept_outputs(config, merged, [task]))
+        stages["in-process"] = {"weights": merged.weight_bytes(dtype) + other,
+                                "logits": _nll_logits(merged, c.batch_size, c.max_length, item),
+                                "activations": _forward(merged, c.batch_size, c.max_length, item),
+                                "kept outputs": 2 * kept_outputs(config, merged, [largest])}
     return Role("driver", "driver", 1, {"CPU": 1.0}, memory, stages)

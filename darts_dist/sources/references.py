@@ -118,6 +118,13 @@ def _resolve_data(ref: str, split: str) -> Path:
     return path
 
 
+def heldout_rows(data: DataSpec) -> int | None:
+    """How many held-out rows a task's data spec names (None: it has none), read as evaluation reads them."""
+    if data.heldout is None:
+        return None
+    return len(load_rows(_resolve_data(data.heldout, "heldout"), text_field=data.text_field))
+
+
 def scorer_name(data: DataSpec) -> str:
     """The task's scorer: the config's, or for `auto` the demo task's own when its held-out data is a demo task's."""
     if data.scorer != "auto":

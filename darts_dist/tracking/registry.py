@@ -267,6 +267,11 @@ def run_config(client: MlflowClient, run: Run) -> RunConfig:
         return parse_config(json.loads(Path(path).read_text()), origin=f"run {parent}'s config.json")
 
 
+def calibration_config(client: MlflowClient, run_id: str) -> RunConfig:
+    """The config of the calibration a run id names (`calibration_run`)."""
+    return run_config(client, calibration_run(client, run_id))
+
+
 def register_run(client: MlflowClient, run_id: str, name: str | None = None, alias: str | None = None,
                  dtype: str | None = None) -> Registration:
     """Register a tracked calibration after the fact (`darts-dist register`), logging its model first if needed (in
