@@ -314,14 +314,23 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from darts_dist.plan import build_plan
     from darts_dist.plan.check import FIX
     from darts_dist.plan.cluster import gpu_memory, problems, read_nodes
+    from darts_dist.sources.models import VOCABULARY_POLICY
 
     config = command_config(args.config, args)
     plan = build_plan(config)
     shapes = {"merged (the base's shape)": plan.merged, **{f"expert {t}": s for t, s in plan.experts.items()}}
     print_tables([("models (from config.json, meta device)",
-                   ["model", "parameters", "GiB fp32", "GiB bf16", "KV MiB/token bf16"],
-                   [[name, f"{s.parameters:,}", _gib(s.weight_bytes("float32")), _gib(s.weight_bytes("bfloat16")),
-                     f"{s.kv_bytes_per_token('bfloat16') / (1 << 20):.3f}"] for name, s in shapes.items()])])
+                   ["model", "parameters", "vocabulary", "GiB fp32", "GiB bf16", "KV MiB/token bf16"],
+                   [[name, f"{s.parameters:,}", f"{s.vocab_size:,}", _gib(s.weight_bytes("float32")),
+                     _gib(s.weight_bytes("bfloat16")), f"{s.kv_bytes_per_token('bfloat16') / (1 << 20):.3f}"]
+                    for name, s in shapes.items()])])
+    added = {task: s.vocab_size - plan.merged.vocab_size for task, s in plan.experts.items()
+             if s.vocab_size != plan.merged.vocab_size}
+    console.print("vocabulary: " + (", ".join(f"expert {task} has {rows:+d} rows beside the base's "
+                                              f"{plan.merged.vocab_size:,}" + (" (refused: fewer than the base's)"
+                                                                               if rows < 0 else "")
+                                              for task, rows in added.items())
+                                    if added else "every expert has the base's") + f"; the policy: {VOCABULARY_POLICY}")
     parts = sorted({part for role in plan.roles for part in role.parts})
     print_tables([("roles: GiB per instance, at its peak", ["role", "count", "device", "resources", "peak stage",
                                                             *parts, "total"],

@@ -135,7 +135,7 @@ CASES: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
     "not a model folder": (no_config_json, ("config.json",)),
     "corrupt safetensors": (corrupt_weights, ("safetensors",)),
     "nan weights": (nan_weights, ("NaN",)),
-    "mismatched vocabulary": (edit_model_config("math", vocab_size=999), ("vocab",)),
+    "vocabulary below the base's": (edit_model_config("math", vocab_size=99), ("vocab_size is 99, below", "tokenizer_source")),
     "mismatched layers": (edit_model_config("math", num_hidden_layers=7), ("layers",)),
     "mismatched architecture": (edit_model_config("math", architectures=["GPT2LMHeadModel"], model_type="gpt2"),
                                 ("architecture",)),

@@ -150,11 +150,12 @@ def test_calibrate_with_a_user_config_writes_corrections(user_config, tmp_path: 
     assert json.loads((out / "user" / "calibration.json").read_text())["calibration"]["executor"] == "in-process"
 
 
-def test_mismatched_vocabulary_is_refused_before_loading(user_config, tiny_family, tmp_path: Path, capsys) -> None:
+def test_a_vocabulary_below_the_bases_is_refused_before_loading(user_config, tiny_family, tmp_path: Path,
+                                                                capsys) -> None:
     other = tmp_path / "other_vocab"
     shutil.copytree(tiny_family.experts["math"], other)
     config = json.loads((other / "config.json").read_text())
-    config["vocab_size"] += 7
+    config["vocab_size"] -= 7
     (other / "config.json").write_text(json.dumps(config))
     (other / "model.safetensors").write_bytes(b"not loaded: the check reads config.json only")
 

@@ -92,9 +92,11 @@ def test_check_compatible_names_each_mismatched_field(tiny_family, tmp_path):
     base = read_model_info(tiny_family.base)
     check_compatible(base, {task: read_model_info(path) for task, path in tiny_family.experts.items()})
 
-    other_vocab = read_model_info(_config_variant(tiny_family.base, tmp_path / "vocab", vocab_size=600))
-    with pytest.raises(DartsError, match=r"'wide' \(.*vocab\): vocab_size is 600, base has 512"):
-        check_compatible(base, {"wide": other_vocab, "code": read_model_info(tiny_family.experts["code"])})
+    # More rows than the base's are the base's tokens and some an expert added (VOCABULARY_POLICY); fewer are refused.
+    check_compatible(base, {"wide": read_model_info(_config_variant(tiny_family.base, tmp_path / "wide", vocab_size=600))})
+    other_vocab = read_model_info(_config_variant(tiny_family.base, tmp_path / "vocab", vocab_size=400))
+    with pytest.raises(DartsError, match=r"'narrow' \(.*vocab\): vocab_size is 400, below the base's 512"):
+        check_compatible(base, {"narrow": other_vocab, "code": read_model_info(tiny_family.experts["code"])})
 
     smaller = make_tiny_family(tmp_path / "small", tasks=("math",), shape=FamilyShape(hidden_size=32, num_layers=2))
     with pytest.raises(DartsError) as error:

@@ -67,12 +67,15 @@ def _tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def read_task_vectors(base_dir: Path, experts: Mapping[str, Path]) -> TaskVectors:
-    """τ_k of every tensor an expert changed, read one expert at a time (the base and the changed tensors stay)."""
+    """τ_k of every tensor an expert changed, read one expert at a time (the base and the changed tensors stay). An
+    expert's vocabulary rows beyond the base's are left out, as the merge leaves them (VOCABULARY_POLICY)."""
     base = dict(_tensors(base_dir))
     changed: dict[str, dict[str, torch.Tensor]] = {}
     for task, folder in experts.items():
         changed[task] = {}
         for name, value in _tensors(folder):
+            if name in base and value.shape[1:] == base[name].shape[1:] and len(value) > len(base[name]):
+                value = value[: len(base[name])]
             if name in base and value.shape == base[name].shape:
                 delta = value.float() - base[name].float()
                 if delta.any():

@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
-from darts_dist.sources.models import check_compatible, read_model_info, resolve_path
+from darts_dist.sources.models import added_rows, check_compatible, read_model_info, resolve_path
 
 # Keys under which mergekit's schema holds a model reference ("path[@rev][+lora[@rev]]").
 _REFERENCE_KEYS = frozenset({"model", "base_model", "tokenizer_source", "source", "lora", "path"})
@@ -61,7 +61,8 @@ def build_mergekit_config(
 
     `parameters` are the method's shared ones (e.g. normalize, lambda, or defaults for
     weight/density); `expert_parameters[name]` are one expert's (e.g. weight, density).
-    Methods that ignore a base (linear, ...) get only the experts as inputs.
+    Methods that ignore a base (linear, ...) get only the experts as inputs. Experts with vocabulary rows beyond
+    the base's merge under the base's tokenizer (`tokenizer_source`: its folder; sources.models.VOCABULARY_POLICY).
     """
     spec = _method(method).spec
     unknown = set(expert_parameters or {}) - set(experts)
@@ -80,6 +81,9 @@ def build_mergekit_config(
     if parameters:
         config["parameters"] = dict(parameters)
     config["dtype"] = dtype
+    base_info = read_model_info(resolve_path(base))
+    if any(added_rows(base_info, read_model_info(resolve_path(path))) for path in experts.values()):
+        config["tokenizer_source"] = str(resolve_path(base))
     _validated(config, origin=f"the {method} merge of {sorted(experts)}")
     return config
 

@@ -220,23 +220,56 @@ def _adapter_base(adapter_dir: Path) -> Path:
     )
 
 
-COMPAT_FIELDS = ("architecture", "hidden_size", "num_layers", "vocab_size")
+COMPAT_FIELDS = ("architecture", "hidden_size", "num_layers")
+# How experts whose vocabularies differ from the base's are merged: the base's tokenizer everywhere. An expert may
+# have rows beyond the base's vocabulary (tokens its fine-tune added, as WizardMath-7B-V1.0's pad token makes 32,001
+# rows beside Llama-2's 32,000, or rows padded for the hardware); the base's tokenizer never produces them, the
+# expert's own forwards keep them, and the merge drops them (mergekit's tokenizer_source: the base).
+VOCABULARY_POLICY = ("the base's tokenizer and vocabulary: an expert's rows beyond the base's are dropped in the "
+                     "merge (mergekit's tokenizer_source: the base)")
+
+
+def added_rows(base: ModelInfo, expert: ModelInfo) -> int:
+    """The vocabulary rows an expert has beyond the base's (VOCABULARY_POLICY); negative: fewer than the base."""
+    return expert.vocab_size - base.vocab_size
 
 
 def check_compatible(base: ModelInfo, experts: Mapping[str, ModelInfo]) -> None:
-    """Raise, before any weight is loaded, unless every expert has the base's architecture and shapes."""
+    """Raise, before any weight is loaded, unless every expert has the base's architecture and shapes, and at least
+    the base's vocabulary rows (VOCABULARY_POLICY)."""
     mismatches = [
         f"expert {name!r} ({info.path}): {field} is {getattr(info, field)!r}, base has {getattr(base, field)!r}"
         for name, info in experts.items()
         for field in COMPAT_FIELDS
         if getattr(info, field) != getattr(base, field)
     ]
+    mismatches += [
+        f"expert {name!r} ({info.path}): vocab_size is {info.vocab_size}, below the base's {base.vocab_size}: the "
+        "base's tokens would have no rows in it"
+        for name, info in experts.items() if added_rows(base, info) < 0
+    ]
     if mismatches:
         raise DartsError(
             f"experts do not match the base model {base.path}:\n    " + "\n    ".join(mismatches),
-            "merge only fine-tunes of the same base model (same architecture, hidden size, "
-            "layer count and vocabulary)",
+            "merge only fine-tunes of the same base model (same architecture, hidden size and layer count; every "
+            f"token of the base's vocabulary at the base's row: {VOCABULARY_POLICY})",
         )
+
+
+def check_vocabularies(base: Path, experts: Mapping[str, Path]) -> None:
+    """Under VOCABULARY_POLICY an expert's tokenizer (where its folder has one) must number the base's tokens as the
+    base does: rows it adds come after them. Raise naming the first token numbered otherwise."""
+    base_vocab = load_tokenizer(base).get_vocab()
+    for name, path in experts.items():
+        if not any((Path(path) / file).is_file() for file in ("tokenizer.json", "tokenizer_config.json")):
+            continue  # no tokenizer of its own: it was trained with the base's
+        vocab = load_tokenizer(path).get_vocab()
+        moved = next((token for token, index in base_vocab.items() if vocab.get(token) != index), None)
+        if moved is not None:
+            raise DartsError(
+                f"expert {name!r} ({path}) numbers the base's token {moved!r} as {vocab.get(moved)}, the base as "
+                f"{base_vocab[moved]}: its embedding rows are not the base's",
+                f"merge experts fine-tuned from this base, whose tokenizers only add tokens ({VOCABULARY_POLICY})")
 
 
 def materialize_adapter(adapter_dir: Path, base_dir: Path, out_dir: Path | None = None) -> Path:

@@ -9,6 +9,7 @@ models as wide as a real 7B one with two layers (`THIN_SHAPES`), for cost at tru
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,13 +25,18 @@ from darts_dist.sources.demo.tasks import DEMO_SCORERS, DEMO_TASKS, make_demo_da
 from darts_dist.sources.demo.tiny import THIN_SHAPES, FamilyShape, TinyFamily, make_tiny_family
 from darts_dist.sources.models import (
     BUNDLED_MODEL,
+    VOCABULARY_POLICY,
     ModelInfo,
+    added_rows,
     bundled_model_dir,
     check_compatible,
+    check_vocabularies,
     check_weight_files,
     materialize_adapter,
     read_model_info,
 )
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,13 @@ def resolve_sources(config: RunConfig) -> ResolvedSources:
         for task, path in experts.items()
     }
     base_info = read_model_info(base)
-    check_compatible(base_info, {task: read_model_info(path) for task, path in experts.items()})
+    infos = {task: read_model_info(path) for task, path in experts.items()}
+    check_compatible(base_info, infos)
+    check_vocabularies(base, experts)
+    for task, info in infos.items():
+        if added_rows(base_info, info):
+            LOG.info("sources: expert %s has %d vocabulary rows beyond the base's %d; the policy: %s", task,
+                     added_rows(base_info, info), base_info.vocab_size, VOCABULARY_POLICY)
     check_context(config, base_info)
     for path in (base, *experts.values()):
         check_weight_files(path)

@@ -8,11 +8,12 @@ is built offline, deterministically: a tiny family in about a second, a thin one
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,13 +201,16 @@ def make_tiny_family(
     seed: int = 0,
     shape: FamilyShape = FamilyShape(),
     expert_scale: float = 0.05,
+    added_tokens: Mapping[str, int] | None = None,
 ) -> TinyFamily:
     """Write (or reuse) a random Llama of `shape` at out_dir/base and one expert per task at out_dir/<task>.
 
     Each expert is the base plus Gaussian noise of `expert_scale` times each tensor's RMS
-    on the top half of the layers and the final norm. A marker file records the settings,
-    so a second call with the same ones returns at once.
+    on the top half of the layers and the final norm; `added_tokens[task]` tokens its fine-tune added, as real
+    experts' do (WizardMath-7B's pad token): rows appended to its embeddings and LM head, special tokens appended
+    to its tokenizer. A marker file records the settings, so a second call with the same ones returns at once.
     """
+    added_tokens = {task: count for task, count in (added_tokens or {}).items() if count}
     out_dir = Path(out_dir).absolute()
     if "base" in tasks:
         raise DartsError(f"task name 'base' in {list(tasks)} clashes with the base model folder", "rename the task")
@@ -216,6 +220,7 @@ def make_tiny_family(
         **dataclasses.asdict(shape),
         "expert_scale": expert_scale,
         "vocab": hashlib.sha256(_tiny_tokenizer_json().encode()).hexdigest()[:16],
+        **({"added_tokens": added_tokens} if added_tokens else {}),
     }
     family = TinyFamily(base=out_dir / "base", experts={task: out_dir / task for task in tasks})
     marker = out_dir / "tiny_family.json"
@@ -245,7 +250,7 @@ def make_tiny_family(
     _save(model, tokenizer, family.base)
     for task, folder in family.experts.items():
         model.load_state_dict(_perturbed(base_state, task, seed, shape.num_layers, expert_scale))
-        _save(model, tokenizer, folder)
+        _save(*_with_added_tokens(model, tokenizer, added_tokens.get(task, 0)), folder)
     with atomic_file(marker) as tmp:
         tmp.write_text(json.dumps(settings, indent=2))
     return family
@@ -268,6 +273,22 @@ def _perturbed(
             tensor = (tensor.float() + scale * rms * noise).to(tensor.dtype)
         result[name] = tensor
     return result
+
+
+def _with_added_tokens(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
+                       count: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """Copies with `count` tokens added at the end: special tokens in the tokenizer, rows (each the mean of the
+    existing rows, as transformers' resizing starts them) in the embeddings and the LM head; none: the originals."""
+    if not count:
+        return model, tokenizer
+    model, tokenizer = copy.deepcopy(model), copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<|added_{i}|>" for i in range(count)]})
+    rows = model.config.vocab_size
+    model.resize_token_embeddings(rows + count, mean_resizing=False)
+    with torch.no_grad():
+        for weights in {model.get_input_embeddings().weight, model.get_output_embeddings().weight}:
+            weights[rows:] = weights[:rows].float().mean(0).to(weights.dtype)
+    return model, tokenizer
 
 
 def _save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
