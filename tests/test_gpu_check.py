@@ -1,0 +1,30 @@
+"""benchmarks/gpu_check.py, the GPU check, run here as it runs where there is no GPU: the same path at the tiny
+family's width in bf16, so it is known to work before a GPU ever sees it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).absolute().parent.parent
+ROLES = ("calibration", "evaluation", "serving", "export")
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_every_role_in_bf16_and_prints_only_json_lines() -> None:
+    result = subprocess.run([sys.executable, "gpu_check.py", "--small"], cwd=REPO / "benchmarks", capture_output=True,
+                            text=True, timeout=900, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = {line["name"]: line for line in map(json.loads, result.stdout.splitlines())}
+    for role in ROLES:
+        assert lines[f"gpu_check.{role}"]["value"] > 0 and lines[f"gpu_check.{role}"]["unit"] == "tokens/s"
+    assert {"gpu_check.memory.calibration worker", "gpu_check.memory.serving replica",
+            "gpu_check.driver_peak_rss"} <= set(lines)
+    assert all(line["baseline"] > 0 for name, line in lines.items() if name.startswith("gpu_check.memory."))
+    assert set(lines["gpu_check.seconds"]["compute"].values()) == {"cpu bfloat16"}
+    assert lines["gpu_check.serving"]["dtype"] == "bfloat16" and lines["gpu_check.export"]["dtype"] == "torch.bfloat16"
