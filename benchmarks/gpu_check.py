@@ -20,6 +20,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import multiprocessing
 import resource
 import sys
 import time
@@ -47,6 +48,17 @@ def family(small: bool) -> TinyFamily:
     shape = SMALL if small else THIN_SHAPES["llama2-7b"]
     name = "gpu-check-small" if small else "gpu-check-llama2-7b"
     return make_tiny_family(cache_root() / "thin-family" / name, tasks=TASKS, shape=shape, added_tokens={"math": 1})
+
+
+def built_family(small: bool) -> TinyFamily:
+    """`family`, made (on first use) in a process of its own: this process's peak memory is the driver's line."""
+    context = multiprocessing.get_context("spawn")
+    maker = context.Process(target=family, args=(small,))
+    maker.start()
+    maker.join()
+    if maker.exitcode != 0:
+        raise SystemExit(f"making the family failed (exit code {maker.exitcode})")
+    return family(small)  # cached now
 
 
 def check_config(models: TinyFamily, out: Path, gpu: bool, args: argparse.Namespace) -> Path:
@@ -98,14 +110,15 @@ def role_lines(config: RunConfig, report: dict, floor: float, driver_rss: int) -
     memory = job["memory"]
     for name, measured in [("calibration worker", max(memory["workers"])),
                            *((f"expert actor ({task})", peak) for task, peak in memory["experts"].items()),
-                           *((f"evaluation actor ({model})", peak)
+                           *((f"evaluation actor ({model.removeprefix('expert ')})", peak)
                              for model, peak in report.get("evaluation_memory", {}).items())]:
-        if name in planned:
-            emit(f"gpu_check.memory.{name}", measured / GIB, planned[name] / GIB, "GiB", device=memory["device"])
+        emit(f"gpu_check.memory.{name}", measured / GIB, planned[name] / GIB if name in planned else 0.0, "GiB",
+             device=memory["device"], **({} if name in planned else {"note": "a role the plan has not"}))
     emit("gpu_check.evaluation", real_tokens(config, "heldout") / report["seconds"]["evaluation"], floor, "tokens/s",
          compute=sorted(set(how for role, how in report["compute"].items() if role.startswith("evaluation"))))
     emit("gpu_check.driver_peak_rss", driver_rss / GIB, plan.driver.resident_bytes / GIB, "GiB",
-         note="this process's peak resident memory through the calibrate command, against the plan's driver")
+         note="this process's peak resident memory through the calibrate command (the family is made in a "
+              "process of its own), against the plan's driver")
 
 
 def serve_line(run_dir: Path, config: RunConfig, floor: float, requests: int) -> None:
@@ -214,7 +227,7 @@ def main() -> None:
     device = torch.device("cuda" if gpu else "cpu")
     started = time.perf_counter()
     note(f"gpu_check on {torch.cuda.get_device_name(0) if gpu else cpu_name()}, {'small' if small else '4096'} wide")
-    models = family(small)
+    models = built_family(small)
     out = cache_root() / "benchmarks" / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     path = check_config(models, out, gpu, args)

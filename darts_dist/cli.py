@@ -38,8 +38,10 @@ if TYPE_CHECKING:  # for annotations only: these modules import torch and MLflow
 logger = logging.getLogger("darts_dist.cli")
 
 
-# Wide enough for the result table when output goes to a file or CI log (rich assumes 80 there).
 DTYPES = get_args(ComputeDtype)
+# The phases a calibrating command runs (the plan's roles it checks first): `evaluate` runs the evaluation alone.
+RUN_PHASES = ("merge", "calibration", "evaluation", "registration")
+# Wide enough for the result table when output goes to a file or CI log (rich assumes 80 there).
 console = Console(width=None if sys.stdout.isatty() else 240)  # piped: wide enough for the score and plan tables
 errors = Console(stderr=True, soft_wrap=True)  # paths in messages stay on one line
 
@@ -170,7 +172,7 @@ def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes:
     from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
     from darts_dist.plan.check import check_run
 
-    check_run(config, ("merge", "calibration", "evaluation"))
+    check_run(config, RUN_PHASES)
     with _session(config.tracking, config.name, command) as tracking:
         state = prepare(config, tracking)
         state.report.update(notes or {})
@@ -231,7 +233,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         raise DartsError("--merge-methods, --tune, --validation-fraction, --seeds, --basic and --variants choose "
                          "what the ablation compares",
                          "add --ablate to run the ablation")
-    check_run(config, ("merge", "calibration", "evaluation"))
+    check_run(config, RUN_PHASES)
     with _session(config.tracking, config.name, "demo") as tracking:
         state = prepare(config, tracking)
         corrections = run_calibration(state)
@@ -262,7 +264,9 @@ def cmd_ablate(args: argparse.Namespace) -> None:
 
 def _ablate(config: RunConfig, args: argparse.Namespace) -> None:
     from darts_dist.ablation import ablation_tables, plan_ablation, run_ablation
+    from darts_dist.plan.check import check_dtype
 
+    check_dtype(config)
     methods = [m.strip() for m in args.merge_methods.split(",") if m.strip()] if args.merge_methods else None
     deep = [part.strip() for part in args.deep_layers.split(",") if part.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
@@ -277,8 +281,10 @@ def _ablate(config: RunConfig, args: argparse.Namespace) -> None:
 
 def cmd_merge_sweep(args: argparse.Namespace) -> None:
     from darts_dist.merge_sweep import DEFAULT_CANDIDATES, MergeCandidate, sweep_merges, sweep_table
+    from darts_dist.plan.check import check_dtype
 
     config = command_config(args.config, args)
+    check_dtype(config)
     candidates = [MergeCandidate.parse(text) for text in args.candidates] if args.candidates else DEFAULT_CANDIDATES
     with _session(config.tracking, config.name, "merge-sweep") as tracking:
         report = sweep_merges(config, candidates, tracking)
@@ -294,11 +300,11 @@ def cmd_register(args: argparse.Namespace) -> None:
 
     run_id, configured, report_path = _registration_target(args.run)
     client = connect(tracking_uri(configured))
+    if report_path is not None:  # a run whose store went away: what it could not log first (its calibration run)
+        _complete_offline_run(client, report_path)
     config = calibration_config(client, run_id)
     check_registration(updated(config, calibration=updated(config.calibration, dtype=args.dtype))
                        if args.dtype else config)
-    if report_path is not None:
-        _complete_offline_run(client, report_path)
     registration = register_run(client, run_id, name=args.name, alias=args.alias, dtype=args.dtype)
     console.print(f"registered: {registration.model_uri}; {registration.decision}")
     if args.report:
@@ -358,8 +364,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     from darts_dist.export import export_model, read_source
+    from darts_dist.plan.check import check_export
 
     source = read_source(args.source, tracking=args.tracking_uri)
+    check_export(source.files.merged_dir)
     out = export_model(source, args.out, fmt=args.format, task=args.task, overwrite=args.overwrite, dtype=args.dtype)
     console.print(f"exported ({args.format}): {out}")
 
@@ -503,7 +511,8 @@ def _serving_commands(command: Command) -> None:
         p.add_argument("--host", default=None, help="address to bind (default: serve.host, 127.0.0.1)")
         p.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
         p.add_argument("--dtype", choices=DTYPES, default=None,
-                       help="the replicas' compute dtype (default: serve.dtype, else the run's calibration.dtype)")
+                       help="the replicas' compute dtype (auto: bfloat16 on GPUs, float32 on CPUs; default: serve.dtype, "
+                       "and where that is auto the model's run's calibration.dtype)")
         p.add_argument("--api-key-file", type=Path, default=None,
                        help="require 'Authorization: Bearer KEY', KEY the file's first line (else $DARTS_DIST_API_KEY)")
         p.add_argument("--api-key", default=None,

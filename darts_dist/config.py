@@ -541,11 +541,8 @@ class RunConfig(_Section):
 
     @property
     def serving(self) -> ServeSection:
-        """The serve section as the replicas take it: `serve.dtype: auto` is the run's compute dtype
-        (calibration.dtype), so the served model computes as the run evaluated it."""
-        if self.serve.dtype != "auto":
-            return self.serve
-        return updated(self.serve, dtype=self.calibration.dtype)
+        """The serve section as the replicas take it (`served_by`)."""
+        return served_by(self.serve, self)
 
     @property
     def merged_dir(self) -> Path:
@@ -560,6 +557,12 @@ class RunConfig(_Section):
 
 
 Section = TypeVar("Section", bound=_Section)
+
+
+def served_by(settings: ServeSection, run: RunConfig) -> ServeSection:
+    """Serve settings for a model `run` made: `serve.dtype: auto` is the run's compute dtype (calibration.dtype), so
+    the served model computes as the run evaluated it."""
+    return updated(settings, dtype=run.calibration.dtype) if settings.dtype == "auto" else settings
 
 
 def updated(section: Section, **changes: Any) -> Section:
@@ -592,6 +595,23 @@ def parse_config(data: Any, origin: str = "config") -> RunConfig:
     except ValidationError as error:
         raise DartsError(f"{origin} is not a valid darts-dist config:\n{format_errors(error)}",
                          "fix the keys above; jobs/configs/demo.yaml shows every section") from None
+
+
+def parse_record(data: Any, origin: str) -> RunConfig:
+    """A config a run wrote down (its folder's config.yaml, its MLflow config.json, a report's), every key as it was
+    dumped. A record without `merge.device` predates the compute dtype, when `calibration.dtype` and `serve.dtype`
+    named the dtype on GPUs and a CPU computed fp32 whatever they said: their bfloat16, the default then, meant what
+    `auto` means now, and is read so (a registered model of then still serves from a CPU in fp32)."""
+    if isinstance(data, dict) and isinstance(data.get("merge"), dict) and "device" not in data["merge"]:
+        data = {**data, **{section: {**data[section], "dtype": "auto"} for section in ("calibration", "serve")
+                           if isinstance(data.get(section), dict) and data[section].get("dtype") == "bfloat16"}}
+    return parse_config(data, origin)
+
+
+def load_record(path: Path) -> RunConfig:
+    """A run folder's config.yaml (`parse_record`), its relative paths taken from the folder."""
+    path = Path(path).absolute()
+    return resolve_paths(parse_record(read_yaml(path), origin=str(path)), path.parent)
 
 
 def read_yaml(path: Path) -> Any:

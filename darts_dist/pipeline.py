@@ -22,7 +22,7 @@ from darts_dist.calibrate.coefficients import COEFFICIENTS_FILE, learned_merge
 from darts_dist.calibrate.executors import executor_for
 from darts_dist.calibrate.layers import with_concrete_layers
 from darts_dist.calibrate.router import fit_run_router
-from darts_dist.config import REGMEAN_RECORD, RUN_CONFIG_FILE, RunConfig
+from darts_dist.config import REGMEAN_RECORD, RUN_CONFIG_FILE, RunConfig, parse_record
 from darts_dist.core import ROUTER_FILE, read_header
 from darts_dist.evaluate.plots import (
     plot_bias_by_position,
@@ -259,7 +259,7 @@ def complete_tracking(tracking: Tracking, report: dict) -> None:
     """Log what a run could not while its MLflow store was down, from its report: the per-step losses
     the store missed, the calibration's results and the evaluation; then mark its runs finished. A run of
     merge coefficients alone has no calibration: its evaluation goes to its coefficients run."""
-    config = RunConfig.model_validate(report["config"])
+    config = parse_record(report["config"], origin="the run's report")
     if "calibration" in report:
         run_id = tracking.stages.get("calibration") or tracking.start_stage(
             "calibration", system_tags(config, "unknown", executor=report["calibration"]["executor"]))

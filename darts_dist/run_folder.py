@@ -8,7 +8,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from darts_dist.config import CORRECTIONS_FILE, LEARNED_FOLDER, MERGED_FOLDER, RUN_CONFIG_FILE, RunConfig, load_config, parse_config
+from darts_dist.config import (
+    CORRECTIONS_FILE,
+    LEARNED_FOLDER,
+    MERGED_FOLDER,
+    RUN_CONFIG_FILE,
+    RunConfig,
+    load_record,
+    parse_record,
+)
 from darts_dist.core import ROUTER_FILE
 from darts_dist.errors import DartsError
 
@@ -27,10 +35,10 @@ class RunFolder:
 def run_config(folder: Path) -> RunConfig | None:
     """The config a run folder was made with, or None for a folder that holds none."""
     if (folder / RUN_CONFIG_FILE).is_file():
-        return load_config(folder / RUN_CONFIG_FILE)
+        return load_record(folder / RUN_CONFIG_FILE)
     for report in (folder / name for name in _REPORTS_OF_01):
         if report.is_file():
-            return parse_config(json.loads(report.read_text())["config"], origin=f"{report}'s config")
+            return parse_record(json.loads(report.read_text())["config"], origin=f"{report}'s config")
     return None
 
 

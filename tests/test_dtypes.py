@@ -138,8 +138,7 @@ def test_the_registered_model_computes_where_its_model_config_says(tiny_family, 
     import pandas as pd
 
     answer = as_logged.predict(pd.DataFrame({"prompt": ["Question: 2 + 3?\nAnswer:"]}), params={"max_new_tokens": 3})
-    assert answer["completion_tokens"].tolist() == [3] or answer["finish_reason"].tolist() == ["stop"]
-    assert json.loads(json.dumps(answer["text"].tolist()))  # text came back
+    assert answer["completion_tokens"].tolist()[0] >= 1 and answer["prompt_tokens"].tolist()[0] > 1
 
 
 def _bf16_everywhere(report: dict) -> None:
@@ -212,3 +211,24 @@ def test_the_whole_job_runs_in_bf16_on_every_path(ray_cluster, tiny_family, tmp_
     assert main(["demo", "--tiny", "--in-process", "--dtype", "bfloat16", "--steps", "10", "--score-limit", "1",
                  "--output-dir", str(tmp_path / "demo"), "--report", str(in_process)]) == 0
     _bf16_everywhere(json.loads(in_process.read_text()))
+
+
+def test_a_record_of_an_earlier_run_serves_as_it_was_evaluated(tmp_path: Path) -> None:
+    """Records written before the compute dtype said bfloat16 (then the default, meaning "on GPUs; CPUs compute
+    fp32"): read back they mean auto. A record of now keeps an explicit bfloat16; serve --config takes the model's
+    run's dtype, --dtype wins over both."""
+    from darts_dist.config import parse_record
+    from darts_dist.serve.model import serve_settings
+
+    config = parse_config({"sources": {"base": "b", "experts": [{"task": "t", "path": "p"}]},
+                           "calibration": {"dtype": "bfloat16"}})
+    now = config.model_dump(mode="json")
+    then = {**now, "merge": {k: v for k, v in now["merge"].items() if k != "device"},
+            "serve": {**now["serve"], "dtype": "bfloat16"}}
+    old = parse_record(then, "an earlier run's config.json")
+    assert (old.calibration.dtype, old.serve.dtype, old.serving.dtype) == ("auto", "auto", "auto")
+    assert parse_record(now, "this run's config.json").serving.dtype == "bfloat16"
+    override = tmp_path / "serve.yaml"
+    override.write_text(json.dumps({"sources": now["sources"], "serve": {"port": 9000}}))
+    assert serve_settings(config, override).dtype == "bfloat16"  # the model's run's, not the YAML's auto
+    assert serve_settings(config, override, dtype="float32").dtype == "float32"

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from tiny_configs import family_config
 
@@ -60,3 +61,20 @@ def test_an_expert_numbering_the_bases_tokens_otherwise_is_refused(added_family,
     with pytest.raises(DartsError, match=f"numbers the base's token {first!r} as {vocab[first]}") as error:
         check_vocabularies(added_family.base, {"code": moved})
     assert "policy" not in error.value.what and "tokenizer_source" in error.value.fix
+
+
+def test_a_base_padded_past_its_tokenizer_keeps_its_rows_through_the_merge(tmp_path: Path) -> None:
+    """A vocabulary padded for the hardware (rows no token reaches, as the thin families' 32000 beside 512 tokens):
+    mergekit sizes a tokenizer_source merge to the tokenizer's tokens; the merge keeps the base's rows."""
+    from darts_dist.sources.demo.tiny import FamilyShape
+
+    padded = make_tiny_family(tmp_path / "padded", tasks=("code", "math"), shape=FamilyShape(vocab_size=600),
+                              added_tokens={"math": 1})
+    config = family_config(padded, tmp_path, "padded", lambda task, i: f"{task} {i}", 4)
+    (tmp_path / "padded.yaml").write_text(yaml.safe_dump(config))
+    assert main(["merge", str(tmp_path / "padded.yaml"), "--out", str(tmp_path / "merged")]) == 0
+    merged, base = load_causal_lm(tmp_path / "merged"), load_causal_lm(padded.base)
+    assert merged.config.vocab_size == 600
+    rows = merged.get_input_embeddings().weight
+    assert rows.shape[0] == 600 and torch.equal(rows[512:], base.get_input_embeddings().weight[512:])
+    assert merged(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[-1] == 600

@@ -43,7 +43,11 @@ def onto(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     is staged through a pinned buffer anyway, at about half the bandwidth), ordered before whatever the device's
     stream does with it next."""
     if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
+        # Gathered into a dense pinned buffer in one copy (a strided tensor's own pin_memory() would pin its whole
+        # span, and the device copy would then stage it through pageable memory after all).
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        pinned.copy_(tensor)
+        return pinned.to(device, non_blocking=True)
     return tensor.to(device)
 
 

@@ -227,19 +227,23 @@ class Evaluator:
 
     def _judged(self, ref: Reference, plain: Outputs, merged: PreTrainedModel, candidate: PreTrainedModel,
                 corrections: DartsCorrections | None, index: int) -> Outputs:
-        """The candidate's outputs on one batch, under task `index`'s correction where there are corrections."""
+        """The candidate's outputs on one batch (on its device), under task `index`'s correction where there are
+        corrections."""
         own = plain if candidate is merged else merged_outputs(candidate, {"input_ids": ref.input_ids,
                                                                            "attention_mask": ref.attention_mask},
-                                                               self.layer)
+                                                               self.layer).to(ref.input_ids.device)
         return own if corrections is None else corrected_outputs(candidate, ref, own, corrections, index, self.layer)
 
     def _tally(
         self, refs: Sequence[Reference], plains: Sequence[Outputs], merged: PreTrainedModel,
         candidate: PreTrainedModel, corrections: DartsCorrections | None, side: ExpertSide,
     ) -> dict[str, object]:
-        """The results on one set; without corrections and candidate the 'corrected' model is the merged one."""
+        """The results on one set; without corrections and candidate the 'corrected' model is the merged one. Each
+        kept batch is on the candidate's device while it is judged (the bias and NLL sums are taken there)."""
         tally = TaskTally()
+        device = next(candidate.parameters()).device
         for ref, plain in zip(refs, plains):
+            ref, plain = ref.to(device), plain.to(device)
             tally.add(ref, plain, self._judged(ref, plain, merged, candidate, corrections, side.index))
         return tally.result(side.task, self.layer)
 

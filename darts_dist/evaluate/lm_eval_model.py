@@ -23,6 +23,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import get_args
 
 import lm_eval.models  # noqa: F401  lm-eval's own models first: get_model() fills only an empty registry with them
 import torch
@@ -30,6 +31,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from darts_dist.config import ComputeDtype
 from darts_dist.core import ROUTED, one_hot_tasks
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
@@ -43,7 +45,7 @@ MODEL_NAME = "darts-dist"
 # A task of the same name wins over a word (`merged` and `auto`, CorrectedLM's name for routing, are reserved).
 ROUTED_ID = "routed"
 TASK_WORDS: dict[str, str | None] = {ROUTED_ID: ROUTED, "merged": None}
-DTYPES = ("float32", "bfloat16", "float16")  # on GPUs; the CPU computes fp32, as the server does
+DTYPES = get_args(ComputeDtype)  # as calibration.dtype: auto is bfloat16 on GPUs, float32 on CPUs
 # How many contexts the router reads in one forward.
 ROUTE_BATCH = 32
 _NONE = -1  # CorrectedLM's task index of no correction
@@ -63,7 +65,7 @@ class DartsLM(HFLM):
         batch_size: int | str = 1,
         max_batch_size: int = 64,
         device: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         max_length: int | None = None,
         add_bos_token: bool | None = None,
         logits_cache: bool = True,

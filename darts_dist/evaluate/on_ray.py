@@ -189,7 +189,8 @@ def _run_actors(
         if memory is not None:
             memory.update(zip(actors, get_or_raise([actor.peak_memory.remote() for actor in actors.values()])))
         if compute is not None:
-            compute.update(zip((f"evaluation actor ({role})" for role in actors),
+            # Named as the plan names the roles: evaluation actor (merged), (base), (TASK).
+            compute.update(zip((f"evaluation actor ({role.removeprefix('expert ')})" for role in actors),
                                get_or_raise([actor.compute.remote() for actor in actors.values()])))
         if cache is not None:
             for counts in get_or_raise([actor.cache_counts.remote() for actor in actors.values()]):

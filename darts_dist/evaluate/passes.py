@@ -3,9 +3,10 @@ corrected vs. expert, on one batch at a time.
 
 The expert's side of a batch (`reference`) is computed once and compared with any number of merged
 models and corrections (`merged_outputs`, `corrected_outputs`); `TaskTally` sums a task's results.
-What a pass keeps leaves the model's device with its batch, hidden states in the model's own dtype (a bf16
-model's are kept at half an fp32 copy's bytes, and exactly): a held-out set's passes sit in host memory, and a
-batch returns to the device only while a correction is judged on it.
+What a pass keeps (`reference`, `merged_outputs`) leaves the model's device with its batch, hidden states in the
+model's own dtype (a bf16 model's are kept at half an fp32 copy's bytes, and exactly): a held-out set's passes sit
+in host memory, and a batch returns to the device only while a correction is judged on it; the corrected outputs
+(`corrected_outputs`) are judged there and let go.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def reference(expert: PreTrainedModel, batch: Mapping[str, torch.Tensor], layer:
 
 def _outputs(logits: torch.Tensor, hidden: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> Outputs:
     nll, _ = token_nll(logits, input_ids, mask)
-    return Outputs(hidden=hidden, nll=nll).to(HOST)
+    return Outputs(hidden=hidden, nll=nll)
 
 
 @torch.no_grad()
@@ -128,7 +129,7 @@ def merged_outputs(merged: PreTrainedModel, batch: Mapping[str, torch.Tensor], l
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     with capture_hidden(merged, [layer]) as hidden:
         logits = merged(input_ids=ids, attention_mask=mask).logits
-    return _outputs(logits, hidden[layer], ids, mask)
+    return _outputs(logits, hidden[layer], ids, mask).to(HOST)
 
 
 @torch.no_grad()
@@ -141,7 +142,7 @@ def corrected_outputs(
     layer: LayerKey,
 ) -> Outputs:
     """The merged model under task `task_index`'s correction, on the reference's batch (kept on the host or not:
-    it goes to the model's device for this pass, and the outputs leave it).
+    it goes to the model's device for this pass), on that device.
 
     With surgery only at the final representation (and bias measured there), ĥ is the correction
     of the plain run's h^m and the logits are lm_head(ĥ), so no second forward pass is needed.
@@ -161,7 +162,7 @@ def corrected_outputs(
         logits = head(hidden[:, :-1][counted].to(head.weight.dtype))
         nll = torch.zeros(counted.shape, device=device)
         nll[counted] = F.cross_entropy(logits.float(), ids[:, 1:][counted], reduction="none")
-        return Outputs(hidden=hidden, nll=nll).to(HOST)
+        return Outputs(hidden=hidden, nll=nll)
     with attach_corrections(merged, corrections) as handle, capture_hidden(merged, [layer]) as hidden:
         handle.set_task_weights(weights)
         logits = merged(input_ids=ids, attention_mask=ref.attention_mask.to(device)).logits

@@ -7,6 +7,7 @@ works unchanged and a config we build can be handed to the `mergekit-yaml` CLI.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,12 @@ from mergekit.merge import run_merge as mergekit_run_merge
 from mergekit.merge_methods.base import BasePolicy, MergeMethod
 from mergekit.options import MergeOptions
 from pydantic import ValidationError
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
-from darts_dist.sources.models import added_rows, check_compatible, read_model_info, resolve_path
+from darts_dist.sources.models import VOCABULARY_POLICY, added_rows, check_compatible, read_model_info, resolve_path
 
 # Keys under which mergekit's schema holds a model reference ("path[@rev][+lora[@rev]]").
 _REFERENCE_KEYS = frozenset({"model", "base_model", "tokenizer_source", "source", "lora", "path"})
@@ -156,6 +158,9 @@ def merge_into(config: Mapping[str, Any], folder: Path, seed: int | None = 0, na
     LoaderCache.loaders.clear()
     try:
         mergekit_run_merge(merge_config, str(folder), options=options, config_source=source)
+        tokenizer_model = _tokenizer_model(config)
+        if tokenizer_model is not None:
+            keep_padding_rows(folder, tokenizer_model)
     # mergekit raises bare RuntimeError / KeyError / ValueError for inputs it cannot merge, and passes on
     # safetensors' own error for a weight file it cannot read.
     except (RuntimeError, KeyError, ValueError, OSError, SafetensorError) as exc:
@@ -165,6 +170,38 @@ def merge_into(config: Mapping[str, Any], folder: Path, seed: int | None = 0, na
         ) from exc
     finally:
         LoaderCache.loaders.clear()
+
+
+def _tokenizer_model(config: Mapping[str, Any]) -> Path | None:
+    """The model folder a merge's `tokenizer_source` names (its path, or `base`: the base model's), if any."""
+    source = config.get("tokenizer_source")
+    if source == "base":
+        source = config.get("base_model")
+    return Path(source) if isinstance(source, str) and Path(source).is_dir() else None
+
+
+def keep_padding_rows(folder: Path, model: Path) -> None:
+    """The merged model in `folder` with the vocabulary rows of `model` (its tokenizer's source) that mergekit left
+    out: mergekit sizes the embeddings to the tokenizer's tokens, so a vocabulary padded past them (rows no token
+    reaches, for the hardware) would shrink. Those rows come back as `model` has them, and config.json's
+    vocab_size with them."""
+    rows = read_model_info(model).vocab_size
+    config_path = folder / "config.json"
+    merged = json.loads(config_path.read_text())
+    if merged["vocab_size"] >= rows:
+        return
+    padding = {}
+    for file in sorted(model.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            padding |= {name: weights.get_slice(name)[merged["vocab_size"]:] for name in weights.keys()
+                        if weights.get_slice(name).get_shape()[0] == rows}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(file)
+        grown = {name: torch.cat([tensors[name], padding[name].to(tensors[name].dtype)])
+                 for name in tensors.keys() & padding.keys() if len(tensors[name]) == merged["vocab_size"]}
+        if grown:
+            save_file({**tensors, **grown}, str(file), metadata={"format": "pt"})
+    config_path.write_text(json.dumps({**merged, "vocab_size": rows}, indent=2, sort_keys=True) + "\n")
 
 
 def _method(name: str) -> MergeMethod:
@@ -286,6 +323,11 @@ def _check_sources(merge_config: MergeConfiguration) -> None:
     if merge_config.tokenizer_source or merge_config.tokenizer:
         # mergekit aligns differing vocabularies itself when told which tokenizer to build.
         others = [dataclasses.replace(info, vocab_size=reference.vocab_size) for info in others]
+    elif any(info.vocab_size != reference.vocab_size for info in others):
+        sizes = {str(info.path): info.vocab_size for info in (reference, *others)}
+        raise DartsError(f"the models of this mergekit YAML have different vocabularies ({sizes}) and it names no "
+                         "tokenizer_source, so mergekit's handling of the rows they do not share is left to the method",
+                         f"add tokenizer_source: base (darts-dist's own policy: {VOCABULARY_POLICY}) or union")
     check_compatible(reference, {str(info.path): info for info in others})
 
 

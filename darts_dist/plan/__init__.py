@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from darts_dist.config import RunConfig
 from darts_dist.plan.roles import (Role, calibration_roles, correction_parameters, driver_role, evaluation_roles,
-                                   merge_roles, registration_roles, serving_role)
+                                   export_role, merge_roles, registration_roles, serving_role)
 from darts_dist.plan.shapes import ModelShape, model_shape
 
 
@@ -36,7 +36,7 @@ def build_plan(config: RunConfig) -> Plan:
     roles = [*merge_roles(config, experts), *calibration_roles(config, experts, merged),
              *evaluation_roles(config, experts, merged), *registration_roles(config, merged),
              serving_role(config.serving, merged, correction_parameters(config, merged)),
-             driver_role(config, experts, merged)]
+             driver_role(config, experts, merged), export_role(merged)]
     return Plan(merged, experts, roles, correction_parameters(config, merged))
 
 

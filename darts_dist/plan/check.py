@@ -9,6 +9,7 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
@@ -19,7 +20,7 @@ from darts_dist.core.io import read_header
 from darts_dist.errors import DartsError
 from darts_dist.plan import Plan, build_plan
 from darts_dist.plan.cluster import GIB, gpu_memory, placement_problems, read_nodes, size_problems
-from darts_dist.plan.roles import Role, correction_parameters, serving_role
+from darts_dist.plan.roles import Role, correction_parameters, export_role, serving_role
 from darts_dist.plan.shapes import ModelShape, model_shape
 from darts_dist.sources.models import check_compute_dtype, resolve_device
 
@@ -110,16 +111,22 @@ def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
 
 
 def check_registration(config: RunConfig) -> None:
-    """`register`: the compute dtype, and MLflow's check of the logged model on the run's cluster (a GPU role where
-    the models are on GPUs). Where the run's models are not readable here (another machine's paths), only the
-    dtype is checked."""
-    check_dtype(config)
+    """`register`: the compute dtype where the check runs here (the device the logged model picks: a GPU where this
+    machine has one), and MLflow's check of the logged model on the run's cluster (a GPU role where the models are on
+    GPUs). Where the run's models are not readable here (another machine's paths), only the dtype is checked."""
+    if not config.models_on_gpus:
+        check_compute_dtype(config.calibration.dtype, resolve_device("auto"))
     try:
         plan = build_plan(config)
     except DartsError as error:
         logger.info("register: the run's models are not readable here (%s): not checking the cluster", error.what)
         return
     check_launch([role for role in plan.roles if role.phase == "registration"], config.cluster)
+
+
+def check_export(merged_dir: Path) -> None:
+    """`export`: what it holds (a weight shard and a tensor, `roles.export_role`) against this machine's memory."""
+    check_launch([], ClusterSection(), driver=export_role(model_shape(str(merged_dir))))
 
 
 def check_serving(source: ModelSource, config: RunConfig | None, settings: ServeSection,

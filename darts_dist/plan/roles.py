@@ -12,11 +12,13 @@ evaluation actor's scoring passes, then its generation) holds its largest stage 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from darts_dist.calibrate.layers import concrete_layers
-from darts_dist.config import RunConfig, ServeSection, compute_dtype_name
+from darts_dist.config import DataSpec, RunConfig, ServeSection, compute_dtype_name
 from darts_dist.core import CorrectionSpec, expected_parameter_count
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.on_ray import uses_ray
@@ -91,14 +93,23 @@ def kept_outputs(config: RunConfig, merged: ModelShape, tasks: Sequence[str] | N
 
 def heldout_row_counts(config: RunConfig) -> dict[str, int | None]:
     """Each task's held-out rows; None without held-out data, or where its file is not readable here (a cluster's
-    path)."""
-    counts: dict[str, int | None] = {}
-    for expert in config.sources.experts:
-        try:
-            counts[expert.task] = None if expert.data is None else heldout_rows(expert.data)
-        except DartsError:
-            counts[expert.task] = None
-    return counts
+    path). Each file is read once per process and version of it (`_heldout_rows`)."""
+    return {e.task: None if e.data is None else _heldout_rows(e.data, _modified(e.data.heldout))
+            for e in config.sources.experts}
+
+
+def _modified(reference: str | None) -> int | None:
+    """A held-out file's modification time (None: no such local file), so a changed file is counted again."""
+    path = Path(reference) if reference else None
+    return path.stat().st_mtime_ns if path is not None and path.is_file() else None
+
+
+@functools.lru_cache(maxsize=256)
+def _heldout_rows(data: DataSpec, modified: int | None) -> int | None:
+    try:
+        return heldout_rows(data)
+    except DartsError:
+        return None
 
 
 def surgery_layer_count(config: RunConfig, num_layers: int) -> int:
@@ -233,6 +244,14 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
     return roles
 
 
+def export_role(merged: ModelShape) -> Role:
+    """`darts-dist export` on this machine: one output shard (at most 5 GB) held while the next input tensor is read
+    and cast, the largest being the embeddings or the LM head (export.weights.copy_weights)."""
+    return Role("export", "export", 1, {"CPU": 1.0}, {
+        "export shard": min(merged.weight_bytes("float32"), MERGE_SHARD_BYTES),
+        "largest tensor": merged.vocab_size * merged.hidden_size * 4})
+
+
 def registration_roles(config: RunConfig, merged: ModelShape) -> list[Role]:
     """MLflow's check of the logged model (it loads the model and generates a few tokens) in a GPU role's Ray task
     when the models are on GPUs (tracking.registry.log_checked_model); else the driver holds it (driver_role)."""
@@ -286,9 +305,8 @@ def regmean_stage(config: RunConfig, experts: dict[str, ModelShape], merged: Mod
 
 
 def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: ModelShape) -> Role:
-    """The driver (the head node): the tokenised calibration sets throughout; in stages the merge (merge_stages),
-    an export (one shard of the merged weights read and cast) and, unless the models are on GPU actors, the models
-    it runs itself, on its CPU in the compute dtype: the merged one for the router's held-out check and for MLflow's
+    """The driver (the head node): the tokenised calibration sets throughout; in stages the merge (merge_stages)
+    and, unless the models are on GPU actors, the models it runs itself, on its CPU in the compute dtype: the merged one for the router's held-out check and for MLflow's
     check of the logged model, the merged one and one other at a time (and one task's kept passes) for an
     evaluation or a calibration in-process."""
     c = config.calibration
@@ -298,7 +316,6 @@ def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: Model
     stages = merge_stages(experts, merged)
     if config.merge.method == REGMEAN:
         stages["regmean"] = regmean_stage(config, experts, merged)
-    stages["export"] = {"export shard": 2 * min(merged.weight_bytes(merged.saved_dtype), MERGE_SHARD_BYTES)}
     if not config.models_on_gpus:
         stages["router and registration check"] = {"weights": merged.weight_bytes(dtype),
                                                    "activations": _forward(merged, c.batch_size, c.max_length, item)}

@@ -67,7 +67,8 @@ logger = logging.getLogger(__name__)
 
 def replica_device(settings: ServeSection) -> tuple[torch.device, str | None]:
     """Where a replica runs the model, and a warning when `serve.use_gpu` gave it a GPU resource but this process
-    finds no CUDA device (a driver or image without CUDA): it then serves from the CPU, in fp32, and says so."""
+    finds no CUDA device (a driver or image without CUDA): it then serves from the CPU, in the dtype serve.dtype
+    gives a CPU, and says so."""
     if not settings.use_gpu:
         return torch.device("cpu"), None
     if torch.cuda.is_available():

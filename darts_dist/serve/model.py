@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from darts_dist.config import RunConfig, ServeSection, TrackingSection, load_config, updated
+from darts_dist.config import RunConfig, ServeSection, TrackingSection, load_config, served_by, updated
 from darts_dist.core import ROUTED
 from darts_dist.errors import DartsError
 from darts_dist.run_folder import read_run_folder
@@ -104,11 +104,14 @@ def resolve_model(
 def serve_settings(config: RunConfig | None, override: Path | None = None, **values: Any) -> ServeSection:
     """The serve section: defaults < the model's run config < a --config YAML < explicit values (None: unset).
 
-    `serve.dtype: auto` becomes the run's compute dtype (`calibration.dtype`), so the replicas compute as the run
-    evaluated the model. The capture folder becomes absolute here, on the driver: replicas run in other working
-    folders.
+    `serve.dtype: auto` becomes the model's run's compute dtype (`calibration.dtype`; the --config YAML's where the
+    model has no run config), so the replicas compute as the run evaluated the model. The capture folder becomes
+    absolute here, on the driver: replicas run in other working folders.
     """
-    run = load_config(override) if override is not None else config
-    settings = run.serving if run is not None else ServeSection()
+    given = load_config(override) if override is not None else config
+    settings = given.serve if given is not None else ServeSection()
     settings = updated(settings, **{key: value for key, value in values.items() if value is not None})
+    run = config or given
+    if values.get("dtype") is None and run is not None:  # an explicit --dtype auto stays auto
+        settings = served_by(settings, run)
     return updated(settings, capture=updated(settings.capture, dir=settings.capture.dir.expanduser().absolute()))

@@ -9,12 +9,16 @@ from darts_dist.core import DartsCorrections, load_corrections, save_corrections
 from darts_dist.errors import DartsError
 from darts_dist.sources.models import COMPAT_FIELDS, content_hash, read_model_info
 
+# What a corrections file records of its merged model and checks on loading: the fields experts share with their
+# base, and the vocabulary (a merge has exactly one).
+RECORDED_FIELDS = (*COMPAT_FIELDS, "vocab_size")
+
 
 def corrections_metadata(merged_dir: Path) -> dict[str, object]:
     """What the corrections were trained against (the fields that make models compatible, and the merged
     model's content hash), so loading them onto another model is refused."""
     info = read_model_info(merged_dir)
-    return {**{key: getattr(info, key) for key in COMPAT_FIELDS}, "merged_model_hash": content_hash(merged_dir)}
+    return {**{key: getattr(info, key) for key in RECORDED_FIELDS}, "merged_model_hash": content_hash(merged_dir)}
 
 
 def load_corrections_for(path: Path, merged_dir: Path, tasks: tuple[str, ...] | None = None) -> DartsCorrections:
@@ -22,7 +26,7 @@ def load_corrections_for(path: Path, merged_dir: Path, tasks: tuple[str, ...] | 
     or (given `tasks`) for other tasks."""
     corrections, made_for = load_corrections(path)
     info = read_model_info(merged_dir)
-    for key in COMPAT_FIELDS:
+    for key in RECORDED_FIELDS:
         if key in made_for and made_for[key] != getattr(info, key):
             raise DartsError(
                 f"corrections {path} were made for a model with {key}={made_for[key]}, "

@@ -407,6 +407,8 @@ def missing_kernel(dtype: torch.dtype, device_type: str) -> str | None:
     embedding, linear, RMS norm, rotary, SiLU, attention, softmax and the log-softmax of the loss, tried once on a
     few numbers."""
     device = torch.device(device_type)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"no CUDA device here (torch {torch.__version__}{', a CPU build' if torch.version.cuda is None else ''})"
     try:
         x = torch.randn(2, 4, 8, device=device).to(dtype)
         weight = torch.randn(8, 8, device=device).to(dtype)
@@ -427,8 +429,9 @@ def check_compute_dtype(name: str, device: torch.device) -> None:
     missing = missing_kernel(dtype, device.type)
     if missing is not None:
         raise DartsError(f"this machine's {device.type} cannot compute a model in {str(dtype).removeprefix('torch.')}: "
-                         f"{missing}", "compute in bfloat16 or float32 here (--dtype, calibration.dtype), or run the "
-                         "models on GPUs (cluster.use_gpu)")
+                         f"{missing}", "compute in a dtype and on a device this machine has: --dtype (calibration.dtype) "
+                         "bfloat16 or float32, calibration.device: auto; or run the models on GPU nodes "
+                         "(cluster.use_gpu)")
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

@@ -25,7 +25,7 @@ from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 import mlflow
-from darts_dist.config import RunConfig, parse_config
+from darts_dist.config import RunConfig, parse_record
 from darts_dist.core import ROUTER_FILE
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
@@ -264,7 +264,7 @@ def run_config(client: MlflowClient, run: Run) -> RunConfig:
     parent = run.data.tags.get(MLFLOW_PARENT_RUN_ID, run.info.run_id)
     with tempfile.TemporaryDirectory(prefix="darts-register-") as scratch:
         path = client.download_artifacts(parent, "config.json", scratch)
-        return parse_config(json.loads(Path(path).read_text()), origin=f"run {parent}'s config.json")
+        return parse_record(json.loads(Path(path).read_text()), origin=f"run {parent}'s config.json")
 
 
 def calibration_config(client: MlflowClient, run_id: str) -> RunConfig:

@@ -100,7 +100,9 @@ class JobResult:
     entropy: dict[str, dict[int, np.ndarray]]  # task -> row -> the expert's H_t on the row's tokens
     prompt_features: dict[str, dict[int, np.ndarray]]  # task -> row -> the router's features of its prompt
     stream: dict[str, float]  # rows, bytes (of hidden states received), spilled_bytes, peak_memory_bytes
-    timings: dict[str, float]  # seconds: startup, stream, train, total
+    # seconds: startup, stream (of which first_rows: until every expert's first rows; steady_tokens: the tokens that
+    # came after, on this rank), train, total
+    timings: dict[str, float]
     # The step this job's last attempt started training from: None for a fresh start, the last step
     # when the run had finished already (nothing trained, the corrections are the run's).
     resumed_from: int | None
@@ -368,7 +370,8 @@ def job_result(plan: JobPlan, checkpoint: ray.train.Checkpoint, started: float, 
     timings = progress["timings"]
     resumed_from = progress["resumed_from"]
     if timings["worker_start"] < started:  # a finished run, resumed: its last checkpoint is from before
-        timings = {"worker_start": finished, "setup": 0.0, "stream": 0.0, "train": 0.0}
+        timings = {"worker_start": finished, "setup": 0.0, "stream": 0.0, "first_rows": 0.0, "steady_tokens": 0,
+                   "train": 0.0}
         resumed_from = len(progress["losses"])
     return JobResult(
         corrections=None if coefficients else trained,
@@ -382,6 +385,8 @@ def job_result(plan: JobPlan, checkpoint: ray.train.Checkpoint, started: float, 
         timings={
             "startup": timings["worker_start"] - started + timings["setup"],
             "stream": timings["stream"],
+            "first_rows": timings.get("first_rows", 0.0),
+            "steady_tokens": timings.get("steady_tokens", 0),
             "train": timings["train"],
             "total": finished - started,
         },
@@ -494,9 +499,10 @@ def calibrate_distributed(
                "seconds": job.timings}
     prompts = {task: torch.from_numpy(np.stack([by_row[row] for row in sorted(by_row)]))
                for task, by_row in job.prompt_features.items()}
-    where = job.placement
-    compute = {f"expert actor ({task})": ", ".join(how) for task, how in where["expert_compute"].items()}
-    compute["calibration worker"] = ", ".join(sorted(set(where["worker_compute"])))
+    where = job.placement  # a run resumed from a checkpoint of an older darts-dist has no compute record
+    compute = {f"expert actor ({task})": ", ".join(how) for task, how in where.get("expert_compute", {}).items()}
+    if where.get("worker_compute"):
+        compute["calibration worker"] = ", ".join(sorted(set(where["worker_compute"])))
     return CalibrationOutcome(corrections_path=path, result=result, entropy_weights=weights, job=details,
                               prompt_features=prompts, compute=compute)
 

@@ -5,7 +5,7 @@ calibration set, so that "every row exactly once" can be checked), `node`, `gpus
 Ray node of the expert actor that made it, its GPU ids, its peak memory so far, its device and dtype), `input_ids`,
 `attention_mask`, `response_mask`, `entropy` (H_t, fp32: one scalar per token) and
 `target.<layer>` (h^k at each layer the loss reads: `CalibrationSection.loss_layers`). Hidden states travel in
-`calibration.wire_dtype` (`CalibrationSection.wire_dtype_for`: on GPUs the compute dtype, on CPUs bf16 for wide models;
+`calibration.wire_dtype` (`CalibrationSection.wire_dtype_for`: the compute dtype, bf16 for fp32 CPU experts of wide models;
 bf16, which numpy lacks, as its raw 16 bits), cast on the expert's device and copied off a GPU through pinned memory.
 
 Imports stay light at the top: Ray Data and Ray Train unpickle `ExpertStream` and `ExactlyOnceSplit`

@@ -181,6 +181,22 @@ class RouterFeatures:
             self.pooled[f"{task}/{int(row)}"] = vector
 
 
+def first_noted(items: Iterator[tuple[str, dict[str, np.ndarray]]], tasks: int, timings: dict[str, float],
+                since: float) -> Iterator:
+    """(task, batch) `items` of `tasks` tasks, with timings["first_rows"] the seconds from `since` until every task's
+    first batch had come (the stream's fixed start: each expert loading its model and running its first batch) and
+    timings["steady_tokens"] the tokens that came after (at the stream's steady rate: what further rows cost)."""
+    seen: set[str] = set()
+    timings["steady_tokens"] = 0
+    for task, batch in items:
+        if len(seen) == tasks:
+            timings["steady_tokens"] += sum(len(ids) for ids in batch["input_ids"])
+        elif task not in seen:
+            seen.add(task)
+            timings["first_rows"] = time.time() - since
+        yield task, batch
+
+
 def in_lockstep(items: Iterator, device: torch.device) -> Iterator:
     """Every item, then None until all ranks are done: ZeRO-3 gathers weights with collectives, so
     every rank must run as many forwards as the rank with the most batches."""
@@ -490,7 +506,8 @@ def train_loop_per_worker(config: dict) -> None:
         expert_compute: dict[str, set[str]] = {}
         merged_model = engine.module.merged if isinstance(engine.module, CalibrationModule) else None
         router = RouterFeatures(**config["router"]) if config.get("router") else None
-        received = drain(stream, merged_model, device, store, settings, lockstep=config["zero_stage"] == 3, log=log,
+        received = drain(first_noted(stream, len(tasks), timings, time.time()), merged_model, device, store, settings,
+                         lockstep=config["zero_stage"] == 3, log=log,
                          expert_nodes=expert_nodes, expert_memory=expert_memory, expert_compute=expert_compute, turn=turn,
                          router=router, window=config.get("window"))
         row_ids = {task: store.row_ids(task) for task in tasks}
