@@ -125,15 +125,15 @@ def run_point(hidden: int, length: int, dtype: str, tokens: int, args: argparse.
 
 def fixed_share(point: dict[str, object]) -> float:
     """The share of the point's stream its fixed start took (every expert's first rows)."""
-    timings = point["job"].timings
-    return timings["first_rows"] / timings["stream"]
+    job = point["job"]
+    return job.stream["first_rows_seconds"] / job.timings["stream"]
 
 
 def marginal(point: dict[str, object]) -> float:
     """Stream seconds a further token costs: the stream's time after every expert's first rows, per token that came
     after them (the steady rate: early experts' rows during the others' start are left out)."""
-    timings = point["job"].timings
-    return (timings["stream"] - timings["first_rows"]) / max(timings["steady_tokens"], 1)
+    job = point["job"]
+    return (job.timings["stream"] - job.stream["first_rows_seconds"]) / max(job.stream["steady_tokens"], 1)
 
 
 def sized_point(hidden: int, length: int, dtype: str, args: argparse.Namespace, out: Path,
@@ -147,9 +147,9 @@ def sized_point(hidden: int, length: int, dtype: str, args: argparse.Namespace, 
     note(f"scaling: stream {point['job'].timings['stream']:.1f} s, fixed start {share:.0%}, "
          f"{marginal(point) * 1e3:.2f} ms a further token")
     if share > args.fixed_share and tokens < args.max_tokens:
-        timings = point["job"].timings
-        variable = max(timings["stream"] - timings["first_rows"], 1e-3)
-        wanted = tokens * timings["first_rows"] * (1 - args.fixed_share) / (args.fixed_share * variable)
+        fixed = point["job"].stream["first_rows_seconds"]
+        variable = max(point["job"].timings["stream"] - fixed, 1e-3)
+        wanted = tokens * fixed * (1 - args.fixed_share) / (args.fixed_share * variable)
         tokens = min(args.max_tokens, int(1.2 * wanted) + 1)
         note(f"scaling: its fixed start was {share:.0%} of the stream: again with {tokens} tokens a task")
         point = run_point(hidden, length, dtype, tokens, args, out)
@@ -169,10 +169,10 @@ def emit_point(point: dict[str, object], seconds_per_unit: float, wire_layers: i
     emit("scaling_wire", job.stream["bytes"] / tokens + TOKEN_FIELD_BYTES,
          hidden * wire_item * wire_layers + TOKEN_FIELD_BYTES, "bytes/token", target_ratio=[0.95, 1.05], **counts)
     emit("scaling_stream", job.timings["stream"], seconds_per_unit * tokens * hidden, "s",
-         fixed_seconds=round(job.timings["first_rows"], 2), fixed_share=round(fixed_share(point), 3),
+         fixed_seconds=round(job.stream["first_rows_seconds"], 2), fixed_share=round(fixed_share(point), 3),
          forward_tflops=round(point["flops"] / 1e12, 3), job_seconds=round(job.timings["total"], 1), **counts)
     emit("scaling_marginal", marginal(point), narrowest * hidden, "s/token",
-         steady_tokens=job.timings["steady_tokens"], **counts)
+         steady_tokens=job.stream["steady_tokens"], **counts)
     # On a CPU the merged model's fp32 weight file is memory-mapped, and an embedding row is resident only once a
     # token reads it: the thin models' tokenizer reaches 512 of their 32000 rows. The plan counts every row, as a
     # GPU (which copies the weights) and a real tokenizer's data need; beside it, the plan less the unread rows.

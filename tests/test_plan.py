@@ -322,3 +322,18 @@ def test_an_evaluation_keeps_its_passes_in_host_memory_and_the_plan_counts_them(
     # A node without the host memory for them is refused.
     assert any("keeps" in p and "host memory" in p for p in problems(
         plan.roles, [{"CPU": 64, "GPU": 8, "memory": 2 * 3 * 30 * token_bytes - 1}], 80 * GIB))
+
+
+def test_a_cpu_role_computing_in_another_dtype_than_its_file_holds_both_while_it_loads(tiny_family) -> None:
+    """Measured (benchmarks/scaling.py): a bf16 worker of an fp32 merge peaks at both copies while it loads; on a GPU
+    only the cast copy is on the device."""
+    sources = {"base": str(tiny_family.base), "experts": [{"task": "code", "path": str(tiny_family.experts["code"])}]}
+    cpu = build_plan(parse_config({"sources": sources, "calibration": {"dtype": "bfloat16"}}))
+    worker = next(role for role in cpu.roles if role.name == "calibration worker")
+    assert worker.stages["load"] == {"weights as saved, while cast": cpu.merged.weight_bytes("float32")}
+    assert worker.memory["weights"] >= cpu.merged.weight_bytes("bfloat16")
+    same = build_plan(parse_config({"sources": sources, "calibration": {"dtype": "float32"}}))
+    assert "load" not in next(role for role in same.roles if role.name == "calibration worker").stages
+    gpu = build_plan(parse_config({"sources": sources, "calibration": {"dtype": "bfloat16"},
+                                   "cluster": {"use_gpu": True}}))
+    assert not next(role for role in gpu.roles if role.name == "calibration worker").stages

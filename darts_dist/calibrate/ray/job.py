@@ -99,10 +99,10 @@ class JobResult:
     rows: dict[int, dict[str, list[int]]]  # worker rank -> task -> the row ids it trained on
     entropy: dict[str, dict[int, np.ndarray]]  # task -> row -> the expert's H_t on the row's tokens
     prompt_features: dict[str, dict[int, np.ndarray]]  # task -> row -> the router's features of its prompt
-    stream: dict[str, float]  # rows, bytes (of hidden states received), spilled_bytes, peak_memory_bytes
-    # seconds: startup, stream (of which first_rows: until every expert's first rows; steady_tokens: the tokens that
-    # came after, on this rank), train, total
-    timings: dict[str, float]
+    # rows, bytes (of hidden states received), spilled_bytes, peak_memory_bytes; on rank 0, first_rows_seconds (until
+    # every expert's first rows came) and steady_tokens (the tokens that came after)
+    stream: dict[str, float]
+    timings: dict[str, float]  # seconds: startup, stream, train, total
     # The step this job's last attempt started training from: None for a fresh start, the last step
     # when the run had finished already (nothing trained, the corrections are the run's).
     resumed_from: int | None
@@ -370,8 +370,7 @@ def job_result(plan: JobPlan, checkpoint: ray.train.Checkpoint, started: float, 
     timings = progress["timings"]
     resumed_from = progress["resumed_from"]
     if timings["worker_start"] < started:  # a finished run, resumed: its last checkpoint is from before
-        timings = {"worker_start": finished, "setup": 0.0, "stream": 0.0, "first_rows": 0.0, "steady_tokens": 0,
-                   "train": 0.0}
+        timings = {"worker_start": finished, "setup": 0.0, "stream": 0.0, "train": 0.0}
         resumed_from = len(progress["losses"])
     return JobResult(
         corrections=None if coefficients else trained,
@@ -385,8 +384,6 @@ def job_result(plan: JobPlan, checkpoint: ray.train.Checkpoint, started: float, 
         timings={
             "startup": timings["worker_start"] - started + timings["setup"],
             "stream": timings["stream"],
-            "first_rows": timings.get("first_rows", 0.0),
-            "steady_tokens": timings.get("steady_tokens", 0),
             "train": timings["train"],
             "total": finished - started,
         },

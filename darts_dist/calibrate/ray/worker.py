@@ -181,19 +181,20 @@ class RouterFeatures:
             self.pooled[f"{task}/{int(row)}"] = vector
 
 
-def first_noted(items: Iterator[tuple[str, dict[str, np.ndarray]]], tasks: int, timings: dict[str, float],
+def first_noted(items: Iterator[tuple[str, dict[str, np.ndarray]]], tasks: int, profile: dict[str, float],
                 since: float) -> Iterator:
-    """(task, batch) `items` of `tasks` tasks, with timings["first_rows"] the seconds from `since` until every task's
-    first batch had come (the stream's fixed start: each expert loading its model and running its first batch) and
-    timings["steady_tokens"] the tokens that came after (at the stream's steady rate: what further rows cost)."""
+    """(task, batch) `items` of `tasks` tasks, with profile["first_rows_seconds"] the seconds from `since` until every
+    task's first batch had come (the stream's fixed start: each expert loading its model and running its first
+    batch) and profile["steady_tokens"] the tokens that came after (at the stream's steady rate: what further rows
+    cost)."""
     seen: set[str] = set()
-    timings["steady_tokens"] = 0
+    profile.update(first_rows_seconds=0.0, steady_tokens=0)
     for task, batch in items:
         if len(seen) == tasks:
-            timings["steady_tokens"] += sum(len(ids) for ids in batch["input_ids"])
+            profile["steady_tokens"] += sum(len(ids) for ids in batch["input_ids"])
         elif task not in seen:
             seen.add(task)
-            timings["first_rows"] = time.time() - since
+            profile["first_rows_seconds"] = time.time() - since
         yield task, batch
 
 
@@ -506,7 +507,8 @@ def train_loop_per_worker(config: dict) -> None:
         expert_compute: dict[str, set[str]] = {}
         merged_model = engine.module.merged if isinstance(engine.module, CalibrationModule) else None
         router = RouterFeatures(**config["router"]) if config.get("router") else None
-        received = drain(first_noted(stream, len(tasks), timings, time.time()), merged_model, device, store, settings,
+        profile: dict[str, float] = {}
+        received = drain(first_noted(stream, len(tasks), profile, time.time()), merged_model, device, store, settings,
                          lockstep=config["zero_stage"] == 3, log=log,
                          expert_nodes=expert_nodes, expert_memory=expert_memory, expert_compute=expert_compute, turn=turn,
                          router=router, window=config.get("window"))
@@ -519,7 +521,8 @@ def train_loop_per_worker(config: dict) -> None:
         rows, spilled, received = reduce_over_ranks(
             [sum(map(len, row_ids.values())), store.spilled_bytes, received], device, "sum")
         stream_stats = {"rows": rows, "bytes": received, "spilled_bytes": spilled,
-                        "peak_memory_bytes": reduce_over_ranks([store.peak_memory_bytes], device, "max")[0]}
+                        "peak_memory_bytes": reduce_over_ranks([store.peak_memory_bytes], device, "max")[0],
+                        **profile}  # rank 0's start and steady tokens
         timings["stream"] = time.time() - started - timings["setup"]
         progress = {"timings": timings, "stream": stream_stats,
                     "placement": placement(expert_nodes, expert_compute, model_compute(frozen_model(engine.module)))}
