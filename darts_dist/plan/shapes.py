@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from darts_dist.errors import DartsError
-from darts_dist.sources.models import BUNDLED_MODEL
+from darts_dist.sources.models import BUNDLED_MODEL, read_config
 
 BUNDLED_CONFIG = Path(__file__).absolute().parent.parent / "sources" / "bundled_config.json"
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -62,7 +62,7 @@ def _folder_config(folder: Path) -> PretrainedConfig:
     if not (folder / "config.json").is_file():
         raise DartsError(f"{folder} has no config.json: the plan reads each model's shape from it",
                          "point the config at a Hugging Face model folder (config.json beside the weights)")
-    return AutoConfig.from_pretrained(folder)
+    return read_config(folder)
 
 
 def is_adapter(reference: str) -> bool:

@@ -26,7 +26,10 @@ from typing import Any
 import jinja2
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
+from transformers import __version__ as transformers_version
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from darts_dist.config import compute_dtype_name
 from darts_dist.errors import DartsError
@@ -154,8 +157,8 @@ def read_model_info(path: Path) -> ModelInfo:
             f"{path} is not a model folder (no config.json or adapter_config.json in it)",
             "point to a Hugging Face model folder or a PEFT adapter folder",
         )
+    config = read_config(path)
     try:
-        config = AutoConfig.from_pretrained(path)
         return ModelInfo(
             path=path,
             architecture=(config.architectures or [""])[0],
@@ -165,12 +168,30 @@ def read_model_info(path: Path) -> ModelInfo:
             vocab_size=int(config.vocab_size),
             max_positions=getattr(config, "max_position_embeddings", None),
         )
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
-        raise DartsError(
-            f"cannot read {path / 'config.json'} as a decoder model config: {exc}",
-            "repair or replace config.json (it needs model_type, architectures, hidden_size, "
-            "num_hidden_layers and vocab_size)",
-        ) from exc
+    except (ValueError, AttributeError) as exc:
+        raise _unreadable_config(path, exc) from exc
+
+
+def read_config(path: Path) -> PretrainedConfig:
+    """A model folder's config.json as transformers reads it; an architecture this transformers does not know, or a
+    broken file, is the input's error (transformers' own message names the model type)."""
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        with contextlib.suppress(OSError, ValueError):
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+            if model_type not in CONFIG_MAPPING:
+                raise DartsError(f"{path / 'config.json'} names the architecture {model_type!r}, which transformers "
+                                 f"{transformers_version} does not know",
+                                 "give a model of an architecture transformers knows, or install a transformers "
+                                 "that knows it") from exc
+        raise _unreadable_config(path, exc) from exc
+
+
+def _unreadable_config(path: Path, exc: Exception) -> DartsError:
+    return DartsError(f"cannot read {path / 'config.json'} as a decoder model config: {str(exc).splitlines()[0]}",
+                      "repair or replace config.json (it needs a model_type this transformers knows, architectures, "
+                      "hidden_size, num_hidden_layers and vocab_size)")
 
 
 def check_weight_files(path: Path) -> None:
@@ -264,7 +285,8 @@ def check_vocabularies(base: Path, experts: Mapping[str, Path]) -> None:
         if not any((Path(path) / file).is_file() for file in ("tokenizer.json", "tokenizer_config.json")):
             continue  # no tokenizer of its own: it was trained with the base's
         vocab = load_tokenizer(path).get_vocab()
-        moved = next((token for token, index in base_vocab.items() if vocab.get(token) != index), None)
+        moved = min((token for token, index in base_vocab.items() if vocab.get(token) != index), default=None,
+                    key=base_vocab.get)  # the lowest-numbered: get_vocab()'s order is the tokenizer's hash order
         if moved is not None:
             raise DartsError(
                 f"expert {name!r} ({path}) numbers the base's token {moved!r} as {vocab.get(moved)}, the base as "
