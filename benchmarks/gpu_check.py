@@ -1,4 +1,4 @@
-"""gpu_check: the whole job in bf16 on one machine's GPU (or, without one, on its CPU at small width): calibration,
+"""gpu_check: the whole job in bf16 on one machine's GPU (or, without one, on its CPU, narrow): calibration,
 evaluation, serving and export of a thin family, each role's tokens/s and peak memory against the plan.
 
 On a GPU the family is 4096 wide (Llama-2-7B's width, vocabulary and heads, two decoder layers: `thin:llama2-7b`'s
@@ -6,8 +6,9 @@ shape), its math expert with one token its fine-tune added (WizardMath-7B's pad 
 case); the job is `darts-dist calibrate` as a 7B user runs it (mergekit's merge on the GPU, expert actors and a
 training worker sharing it through Ray, the router and registration checks in GPU tasks, evaluation in GPU actors),
 then a Ray Serve replica answering completions, then `export` loaded by transformers alone. Without a GPU the same
-path runs on the CPU at the tiny family's width in bf16 (`--small`, the slow test tier runs it), so it is known to
-work before a GPU ever sees it.
+path runs on the CPU in bf16 (`--small`, the slow test tier runs it) on a family as wide (4096) but narrow elsewhere
+(a 2,048-row vocabulary, a 1,024-wide MLP, 8 KV heads: 0.11 B parameters a model against 0.7 B), so the width's
+every dtype boundary and wire format is known to work before a GPU ever sees it.
 
 Each line: a role's tokens/s with, as baseline, the merged model's bare forward at the calibration's batch (measured
 last, in this process), or a role's peak memory (GiB) with the plan's bytes for it as baseline; the driver's peak
@@ -37,10 +38,12 @@ from darts_dist.config import RunConfig, load_config
 from darts_dist.fsutil import cache_root
 from darts_dist.plan import build_plan
 from darts_dist.sources.demo.tiny import THIN_SHAPES, FamilyShape, TinyFamily, make_tiny_family
+from darts_dist.sources.references import demo_data
 
 TASKS = ("code", "math", "instruct")
 GIB = 1 << 30
-SMALL = FamilyShape(hidden_size=64, num_layers=4, dtype="bfloat16")
+SMALL = FamilyShape(hidden_size=4096, num_layers=2, intermediate_size=1024, num_heads=32, num_kv_heads=8,
+                    vocab_size=2048, max_positions=4096, tie_embeddings=False, dtype="bfloat16")
 
 
 def family(small: bool) -> TinyFamily:
@@ -65,11 +68,15 @@ def check_config(models: TinyFamily, out: Path, gpu: bool, args: argparse.Namesp
     """The run's YAML: one GPU shared by a training worker (half of it) and the three experts (the rest), as
     `darts-dist plan` lays out a one-GPU node; evaluation then takes an actor per model on the same GPU."""
     experts = len(TASKS)
+    heldout = {}
+    for task, files in demo_data().items():  # the first rows of each held-out set
+        heldout[task] = out / f"heldout-{task}.jsonl"
+        heldout[task].write_text("".join(Path(files["heldout"]).read_text().splitlines(keepends=True)[:args.heldout]))
     config = {
         "name": "gpu-check", "output_dir": str(out / "runs"),
         "sources": {"base": str(models.base), "experts": [
-            {"task": t, "path": str(models.experts[t]), "data": {"calibration": f"demo:{t}", "heldout": f"demo:{t}"}}
-            for t in TASKS]},
+            {"task": t, "path": str(models.experts[t]),
+             "data": {"calibration": f"demo:{t}", "heldout": str(heldout[t])}} for t in TASKS]},
         "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}, "device": "auto"},
         "calibration": {"dtype": "bfloat16", "num_samples": args.samples, "steps": args.steps, "batch_size": 8,
                         "max_length": args.length, "max_positions": args.length, "rank": 16},
@@ -103,10 +110,11 @@ def role_lines(config: RunConfig, report: dict, floor: float, driver_rss: int) -
     peak resident memory against the plan's driver."""
     plan = build_plan(config)
     planned = {role.name: role.bytes for role in plan.roles}
-    job = report["calibration"]["job"]
-    emit("gpu_check.calibration", real_tokens(config, "calibration") / report["seconds"]["calibration"], floor,
+    job, tokens = report["calibration"]["job"], real_tokens(config, "calibration")
+    emit("gpu_check.calibration", tokens / report["seconds"]["calibration"], floor,
          "tokens/s", stage_seconds={k: round(v, 2) for k, v in job["seconds"].items()},
-         compute=report["compute"]["calibration worker"])
+         compute=report["compute"]["calibration worker"], hidden_size=plan.merged.hidden_size,
+         wire_bytes_per_token=job["stream"]["bytes"] / tokens)
     memory = job["memory"]
     for name, measured in [("calibration worker", max(memory["workers"])),
                            *((f"expert actor ({task})", peak) for task, peak in memory["experts"].items()),
@@ -211,22 +219,23 @@ def forward_floor(run_dir: Path, config: RunConfig, device: torch.device) -> flo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--small", action="store_true", help="the tiny family's width (the default without a GPU)")
+    p.add_argument("--small", action="store_true", help="4096 wide, narrow elsewhere (the default without a GPU)")
     p.add_argument("--samples", type=int, default=None, help="calibration samples per task (64 on a GPU, 16 small)")
     p.add_argument("--steps", type=int, default=None, help="calibration steps (100 on a GPU, 20 small)")
     p.add_argument("--length", type=int, default=None, help="calibration.max_length (512 on a GPU, 64 small)")
+    p.add_argument("--heldout", type=int, default=None, help="held-out rows per task (200 on a GPU, 12 small)")
     p.add_argument("--problems", type=int, default=None, help="task-score problems per task (8 on a GPU, 2 small)")
     p.add_argument("--requests", type=int, default=None, help="concurrent served completions (16 on a GPU, 4 small)")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     small = args.small or not gpu
-    defaults = {"samples": 16, "steps": 20, "length": 64, "problems": 2, "requests": 4} if small else \
-        {"samples": 64, "steps": 100, "length": 512, "problems": 8, "requests": 16}
+    defaults = {"samples": 16, "steps": 20, "length": 64, "heldout": 12, "problems": 2, "requests": 4} if small else \
+        {"samples": 64, "steps": 100, "length": 512, "heldout": 200, "problems": 8, "requests": 16}
     for name, value in defaults.items():
         setattr(args, name, getattr(args, name) if getattr(args, name) is not None else value)
     device = torch.device("cuda" if gpu else "cpu")
     started = time.perf_counter()
-    note(f"gpu_check on {torch.cuda.get_device_name(0) if gpu else cpu_name()}, {'small' if small else '4096'} wide")
+    note(f"gpu_check on {torch.cuda.get_device_name(0) if gpu else cpu_name()}, 4096 wide{', narrow' if small else ''}")
     models = built_family(small)
     out = cache_root() / "benchmarks" / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)

@@ -27,6 +27,20 @@ JOB_SERVER_WAIT_S="${JOB_SERVER_WAIT_S:-180}"
 # Ray's token auth is for shared clusters; this one listens on loopback only.
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 
+# What this script runs: Ray's command line (pip install -e . brings it) and pgrep (procps, which slim images
+# such as python:3.11-slim leave out).
+for tool in ray pgrep; do
+    if ! command -v "$tool" >/dev/null; then
+        case "$tool" in
+            ray) fix="activate the project's environment (. .venv/bin/activate), or pip install -e ." ;;
+            pgrep) fix="install procps (apt-get install procps; dnf install procps-ng; apk add procps)" ;;
+        esac
+        echo "error: cluster/local.sh needs $tool, which is not on PATH" >&2
+        echo "fix: $fix" >&2
+        exit 2
+    fi
+done
+
 ours() { pgrep -f -- "$DIR/" || true; }
 
 start() {

@@ -28,7 +28,7 @@ from darts_dist.config import (
 )
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import evaluation_tables
-from darts_dist.logs import VERBOSE_ENV, init_ray, show_progress_logs
+from darts_dist.logs import VERBOSE_ENV, init_ray, quiet_library_progress, show_progress_logs
 from darts_dist.options import add_config_flags, apply_config_flags
 
 if TYPE_CHECKING:  # for annotations only: these modules import torch and MLflow, which take seconds
@@ -623,6 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
     show_progress_logs()
+    quiet_library_progress()
     try:
         args.func(args)
     except DartsError as error:

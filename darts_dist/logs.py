@@ -1,9 +1,11 @@
 """darts-dist's one channel for messages: the `darts_dist` loggers, written to stderr.
 
-Progress bars are tqdm's (on stderr too), and `print` is kept for the results a command exists
-to print, so a command's stdout is its results and nothing else. Ray's own lines (Ray Data's
-execution plans, Ray Train's reports, its warnings) stay in Ray's log files unless `--verbose`
-(`init_ray`), so that the console shows darts-dist's progress.
+Progress bars are tqdm's (on stderr too, `progress_bar`): redrawn on a terminal, one whole line per
+PROGRESS_LINE_S elsewhere (a log file). `print` is kept for the results a command exists to print, so a
+command's stdout is its results and nothing else. Ray's own lines (Ray Data's execution plans, Ray Train's
+reports, its warnings) stay in Ray's log files unless `--verbose` (`init_ray`), and the libraries' own bars
+(datasets' per split, transformers' per load) are off outside a terminal (`quiet_library_progress`), so that
+the console shows darts-dist's progress.
 """
 
 from __future__ import annotations
@@ -11,7 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any
+import sys
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+from tqdm.auto import tqdm
 
 _FORMAT = logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S")
 VERBOSE_ENV = "DARTS_DIST_VERBOSE"  # set (by --verbose): Ray's own lines on the console too
@@ -31,6 +37,65 @@ def show_progress_logs(level: int = logging.INFO) -> None:
         # Once: not again through a root handler (a Ray worker's, a Ray job driver's), which doubled every line.
         logger.propagate = False
     logger.setLevel(level)
+
+
+PROGRESS_LINE_S = 30.0  # outside a terminal: a progress line at most this often (and each bar's last)
+PROGRESS_TTY_S = 10.0  # on a terminal: how often a stage without a bar (a Ray worker's steps) logs a line
+# Set by a command whose console is not a terminal, for the Ray workers it starts (they inherit its environment
+# and cannot see its console): their progress lines come at its rate.
+PROGRESS_ENV = "DARTS_DIST_PROGRESS_S"
+# Read once by the libraries at import (datasets, huggingface_hub and transformers' bars): set before they load.
+LIBRARY_BARS_OFF = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS")
+
+
+class _Lines:
+    """A stream that turns tqdm's redraws ("\r" + status, padded) into whole lines: what a log file can hold."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").strip()
+        if line:
+            self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def on_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+def progress_interval() -> float:
+    """Seconds between two progress lines of a stage that logs its progress (no bar): the console's rate."""
+    return float(os.environ.get(PROGRESS_ENV) or (PROGRESS_TTY_S if on_terminal() else PROGRESS_LINE_S))
+
+
+def progress_bar(iterable: Iterable | None = None, **options: Any) -> tqdm:
+    """tqdm on stderr: a bar on a terminal; elsewhere its status as a line when it starts, at most every
+    PROGRESS_LINE_S seconds, and when it ends."""
+    if on_terminal():
+        return tqdm(iterable, **options)
+    return tqdm(iterable, file=_Lines(sys.stderr), mininterval=PROGRESS_LINE_S, **options)
+
+
+def quiet_library_progress() -> None:
+    """The libraries' own bars (datasets: one per split generated; transformers and the hub: per load and save)
+    off outside a terminal, in this process and, through the environment, in the Ray workers and programs it
+    starts. darts-dist's own progress (`progress_bar`, the `darts_dist` loggers) stays."""
+    if on_terminal():
+        return
+    for name in LIBRARY_BARS_OFF:
+        os.environ.setdefault(name, "1")
+    os.environ.setdefault(PROGRESS_ENV, str(PROGRESS_LINE_S))
+    # Modules loaded before this read their setting already (a test process; a command importing early).
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
 def verbose() -> bool:
@@ -69,3 +134,16 @@ def init_ray(**options: Any) -> None:
     dispatcher = worker.global_worker_stdstream_dispatcher
     dispatcher.remove_handler("ray_print_logs")
     dispatcher.add_handler("ray_print_logs", print_own)
+    # The raylet's warnings to the driver ("8 PYTHON worker processes have been started…", sized for a
+    # cluster, not for 2 CPUs running a dozen actors) come through print_to_stdstream, not the dispatcher:
+    # kept in the raylet's log, at debug level here. Its errors (a worker killed, out of memory) still print.
+    print_any = getattr(worker.print_to_stdstream, "__wrapped__", worker.print_to_stdstream)
+
+    def print_unless_warning(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet" and all(line.lstrip().startswith("WARNING") for line in data["lines"]):
+            logging.getLogger("darts_dist.ray").debug("%s", " ".join(data["lines"]))
+            return
+        print_any(data, ignore_prefix=ignore_prefix)
+
+    print_unless_warning.__wrapped__ = print_any  # type: ignore[attr-defined]  # a later init_ray wraps Ray's own
+    worker.print_to_stdstream = print_unless_warning

@@ -118,11 +118,12 @@ def test_validation_rows_are_held_back_from_calibration() -> None:
         calibration_split(rows, 0.0, "validation")
 
 
-def router_accuracy_by_hand(report: dict) -> tuple[float, dict[str, float]]:
-    """The accuracy of an ablation report's router, overall and per task: its top task on the held-out prompts'
-    features of the headline merge, against their task."""
+def router_accuracy_by_hand(report: dict, merged_dir: str | None = None) -> tuple[float, dict[str, float]]:
+    """The accuracy of a report's router, overall and per task: its top task on the held-out prompts' features of
+    the merged model (an ablation's headline merge, or `merged_dir`), against their task."""
     config = parse_config(report["config"])
-    data, merged_dir = resolve_sources(config).data, report["merge_methods"][report["headline_merge_method"]]["merged"]
+    data = resolve_sources(config).data
+    merged_dir = merged_dir or report["merge_methods"][report["headline_merge_method"]]["merged"]
     router, model, tokenizer = TaskRouter.load(Path(report["router"]["path"])), load_causal_lm(merged_dir), \
         load_tokenizer(merged_dir)
     right = {}
@@ -154,13 +155,15 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
     path = tmp_path / "abl.yaml"
     path.write_text(yaml.safe_dump(config))
     report_path = tmp_path / "ablation.json"
-    routed_asked: list[str] = []  # planted: every routed answer passes, so the report's routed scores say whose
+    routed_asked: list[tuple[str, list[bool]]] = []  # each routed scoring: its task and the real router's passes
+    real_routed_passes = evaluator.routed_passes
 
-    def planted_routed_passes(lm, task, problems, *args, **kwargs):
-        routed_asked.append(task)
-        return [True] * len(problems)
+    def recorded_routed_passes(lm, task, problems, *args, **kwargs):
+        passes = real_routed_passes(lm, task, problems, *args, **kwargs)
+        routed_asked.append((task, passes))
+        return passes
 
-    monkeypatch.setattr(evaluator, "routed_passes", planted_routed_passes)
+    monkeypatch.setattr(evaluator, "routed_passes", recorded_routed_passes)
     import mlflow
 
     assert main(["ablate", str(path), "--merge-methods", "task_arithmetic,ties", "--tune", "2", "--seeds", "2",
@@ -229,12 +232,14 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
     router = report["router"]
     accuracy, per_task = router_accuracy_by_hand(report)
     assert router["accuracy"] == pytest.approx(accuracy) and router["per_task"] == pytest.approx(per_task)
-    # The routed answers are asked for DARTS on the headline merge only, each seed and task: the planted passes.
-    assert routed_asked == [*TASKS, *TASKS]
+    # The routed answers are asked for DARTS on the headline merge only, each seed and task, with the run's own
+    # router (routed_passes against routing every problem: test_task_scores); the report's scores are theirs.
+    assert [task for task, _ in routed_asked] == [*TASKS, *TASKS]
     for task in TASKS:
         scores = {name: v["tasks"][task] for name, v in report["variants"].items()}
-        assert scores["darts"]["score_routed"] == 1.0
-        assert [run["tasks"][task]["score_routed"] for run in report["variants"]["darts"]["seed_runs"]] == [1.0, 1.0]
+        seeds = [sum(passes) / len(passes) for asked, passes in routed_asked if asked == task]
+        assert [run["tasks"][task]["score_routed"] for run in report["variants"]["darts"]["seed_runs"]] == seeds
+        assert scores["darts"]["score_routed"] == pytest.approx(sum(seeds) / len(seeds))
         assert all(s.get("score_routed") is None for name, s in scores.items() if name != "darts")
         assert "score_routed" not in report["merge_methods"]["ties"]["variants"]["darts"]["tasks"][task]
     assert Path(report["plots"]["ablation_bias_by_position"]).read_bytes().startswith(b"\x89PNG")

@@ -78,8 +78,11 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert "mlflow: run" not in result.stdout and "calibrate: " not in result.stdout
     # Ray's own lines stay in Ray's log files (without --verbose): no Ray Data plans, Ray Train reports or warnings.
     for ray_line in ("Execution plan of Dataset", "Reporting training result", "PlacementGroupCleaner",
-                     "Started a local Ray instance", "TrainController"):
+                     "Started a local Ray instance", "TrainController", "PYTHON worker processes have been started"):
         assert ray_line not in result.stderr, ray_line
+    # A log file's console (stderr is a pipe here): whole lines, no bar redraws, no library's own bars.
+    assert "\r" not in result.stderr and max(map(len, result.stderr.splitlines())) <= 300
+    assert "Generating train split" not in result.stderr and "Loading weights" not in result.stderr
     # The run folder is complete without its report (written elsewhere here): it serves as it is.
     source, run_config = resolve_model(str(run_dir))
     assert (source.files.merged_dir, source.files.corrections, source.files.router) == (

@@ -96,9 +96,14 @@ def test_the_runtime_env_pins_this_version_and_ships_no_build_output() -> None:
     assert {".venv", ".git", "runs", "mlruns"} <= set(env["excludes"])
 
 
-@pytest.mark.parametrize("config", sorted((REPO / "jobs" / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_job_config_validates(config: Path) -> None:
-    assert load_config(config).tasks
+@pytest.mark.parametrize("config", [*sorted((REPO / "jobs" / "configs").glob("*.yaml")),
+                                    *sorted((REPO / "darts_dist" / "configs").glob("*.yaml"))],
+                         ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_every_shipped_config_validates_and_its_record_reads_back(config: Path) -> None:
+    loaded = load_config(config)
+    assert len(loaded.tasks) >= 2 and all(expert.data.calibration for expert in loaded.sources.experts)
+    # What a run records of it (run.json, MLflow's params) is a config that reads back as the same one.
+    assert parse_config(loaded.model_dump(mode="json")) == loaded
 
 
 def test_the_job_entry_point_forwards_to_the_command_line(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,11 +12,13 @@ import torch.nn.functional as F
 from darts_dist.config import parse_config
 from darts_dist.core import CorrectionSpec, DartsCorrections, capture_hidden
 from darts_dist.evaluate.evaluator import Evaluator
+from darts_dist.evaluate.statistics import nll_gap, paired_mean_difference_sd
 from darts_dist.evaluate.tables import evaluation_rows, overall
 from darts_dist.sources.data import TaskFiles, tokenized
 from darts_dist.sources.demo.tiny import build_tiny_tokenizer
 from darts_dist.sources.models import load_causal_lm
 from darts_dist.sources.references import demo_data
+from darts_dist.tracking.runs import evaluation_metrics
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,9 @@ def test_numbers_equal_a_direct_computation(setup, tiny_family) -> None:
     gap = merged_nll - expert_nll
     expected_gap = None if gap <= 0 else (merged_nll - corrected_nll) / gap
     assert result["nll_gap_closed"] == expected_gap
-    assert result["late_bias_reduction"] is not None  # 140 tokens reach the late buckets
+    late = real & (positions >= 64)  # 140 tokens reach the late buckets
+    assert late.any()
+    assert result["late_bias_reduction"] == pytest.approx(1 - float(after[late].mean() / before[late].mean()), rel=1e-4)
 
 
 def test_without_corrections_the_corrected_model_is_the_merged_one(setup) -> None:
@@ -131,3 +136,35 @@ def test_the_overall_nll_gap_closed_is_the_ratio_of_the_mean_nlls() -> None:
     expert, merged, corrected = (sum(t[f"nll_{m}"] for t in tasks.values()) / 3 for m in ("expert", "merged", "corrected"))
     assert overall(tasks)["nll_gap_closed"] == pytest.approx((merged - corrected) / (merged - expert))
     assert overall(tasks)["nll_gap_closed"] == pytest.approx(0.39, abs=0.01)
+
+
+def test_a_merge_within_the_nlls_noise_of_its_expert_has_no_gap_to_close() -> None:
+    """The RegMean demo's math: merged 0.1752 against the expert's 0.1747, a difference inside 2 bootstrap sds, is
+    "no gap" (not "−534% closed") in the task's row, and the overall gap (the mean NLLs, its sd √Σsd²/tasks) keeps
+    counting; one sd more and the same numbers are a gap again."""
+    tasks = {
+        "code": {"nll_expert": 0.0077, "nll_merged": 0.0181, "nll_corrected": 0.0157, "nll_gap_sd": 0.0010},
+        "math": {"nll_expert": 0.1747, "nll_merged": 0.1752, "nll_corrected": 0.1776, "nll_gap_sd": 0.0040},
+    }
+    for task in tasks.values():
+        task["nll_gap_closed"], task["nll_no_gap"] = nll_gap(task["nll_expert"], task["nll_merged"],
+                                                             task["nll_corrected"], task["nll_gap_sd"])
+    assert tasks["math"]["nll_no_gap"] and tasks["math"]["nll_gap_closed"] is None
+    assert not tasks["code"]["nll_no_gap"] and tasks["code"]["nll_gap_closed"] == pytest.approx(0.0024 / 0.0104)
+    summary = overall(tasks)
+    assert summary["nll_gap_sd"] == pytest.approx(math.sqrt(0.001**2 + 0.004**2) / 2)
+    assert not summary["nll_no_gap"] and summary["nll_gap_closed"] == pytest.approx(0.0, abs=1e-9)  # 0.09665 both
+    rows = evaluation_rows(tasks, ["nll_merged", "nll_gap_closed"], summary)
+    assert [row[2] for row in rows] == ["23.1%", "no gap", f"{100 * summary['nll_gap_closed']:.1f}%"]
+    assert nll_gap(0.1747, 0.1752, 0.1776, 0.0002) == (pytest.approx(-4.8), False)  # beyond 2 sd: a gap
+    assert evaluation_metrics({"overall": summary, "tasks": tasks})["eval.math.nll_no_gap"] == 1.0
+
+
+def test_the_gap_sd_is_the_bootstrap_of_the_rows_mean_difference() -> None:
+    """Rows of equal length: the per-token mean difference is the mean of the rows' means, whose sd is known."""
+    rng = np.random.default_rng(1)
+    counts = np.full(400, 10.0)
+    differences = rng.normal(0.05, 0.3, 400) * counts
+    expected = (differences / counts).std() / math.sqrt(400)
+    assert paired_mean_difference_sd(differences, counts) == pytest.approx(expected, rel=0.08)
+    assert paired_mean_difference_sd(differences[:1], counts[:1]) == 0.0

@@ -132,6 +132,18 @@ def test_transformers_alone_loads_the_copied_folder_and_answers_as_darts_dist(ru
     lm.close()
 
 
+def test_the_tokenizer_and_the_config_load_without_remote_code_a_question_or_a_warning(exported: Path) -> None:
+    """config.json keeps the merged model's type: AutoTokenizer (which reads the config first) asks nothing and warns
+    nothing; without trust_remote_code, AutoModelForCausalLM is the plain merge (as the docs say)."""
+    script = ("import sys\nfrom transformers import AutoConfig, AutoTokenizer\n"
+              "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])\nconfig = AutoConfig.from_pretrained(sys.argv[1])\n"
+              "print(type(tokenizer).__name__, config.model_type, config.architectures[0], config.darts['tasks'])")
+    result = subprocess.run([sys.executable, "-c", script, str(exported)], stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.split()[1:3] == ["llama", "DartsForCausalLM"]
+
+
 def test_routing_in_the_corrected_forward_equals_a_pass_of_its_own(tiny_family, tmp_path: Path) -> None:
     """Corrections at the final norm only, the router there too: the router reads the states the correction is
     about to change, in the same forward; the answers are those of a separate routing pass and darts-dist's."""

@@ -22,6 +22,7 @@ from tiny_configs import family_config
 
 from darts_dist.calibrate import in_process
 from darts_dist.cli import main
+from darts_dist.errors import DartsError
 from darts_dist.serve.capture import read_traffic
 from darts_dist.sources.models import load_tokenizer
 from mlflow import MlflowClient
@@ -152,8 +153,10 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
         def captured() -> bool:
             try:
                 prompts = read_traffic(traffic, TASKS)
-            except Exception:  # noqa: BLE001 - nothing written yet
-                return False
+            except DartsError as error:  # nothing written yet; any other error is a bug, raised at once
+                if "no captured traffic" in error.what or "does not exist" in error.what:
+                    return False
+                raise
             return all(len(prompts.get(task, [])) >= 4 for task in TASKS)
 
         wait_for(captured, 120, "the server did not capture 4 prompts per task", log_path)

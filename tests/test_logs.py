@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 
 import pytest
 
-from darts_dist.logs import VERBOSE_ENV, own_lines
+from darts_dist.logs import (LIBRARY_BARS_OFF, PROGRESS_ENV, PROGRESS_LINE_S, VERBOSE_ENV, own_lines, progress_bar,
+                             progress_interval, quiet_library_progress)
 
 # A Ray actor that prints a line of Ray's kind and logs a darts-dist progress line, with the driver as darts-dist
 # starts it; the driver waits a moment for Ray to forward both.
@@ -57,3 +59,55 @@ def test_own_lines_are_darts_dists_loggers_lines() -> None:
              "[2026-12-01 21:43:02,519 E 1874 1994] core_worker.cc:2465: Actor ...",
              "x 21:43:22 darts_dist.cli: not at the start"]
     assert own_lines(lines) == lines[:2]
+
+
+class _Console(io.StringIO):
+    def __init__(self, terminal: bool) -> None:
+        super().__init__()
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_outside_a_terminal_a_bar_is_whole_lines_at_its_rate(monkeypatch) -> None:
+    """A log file gets a bar's status as lines (its start, at most one per PROGRESS_LINE_S, its end), never the
+    carriage-return redraws that make one line of thousands of characters; a terminal keeps tqdm's bar."""
+    clock = iter(range(0, 10_000, 7))  # every update 7 s after the last: a line every 5th (35 s ≥ 30 s)
+    monkeypatch.setattr("tqdm.std.time", lambda: float(next(clock)))
+    log = _Console(terminal=False)
+    monkeypatch.setattr(sys, "stderr", log)
+    for _ in progress_bar(range(20), desc="features code", unit="batch"):
+        pass
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and all(len(line) < 200 for line in lines)
+    assert lines[0].startswith("features code:   0%") and lines[-1].startswith("features code: 100%")
+    assert 3 <= len(lines) <= 2 + 20 * 7 // PROGRESS_LINE_S + 1, lines
+    tty = _Console(terminal=True)
+    monkeypatch.setattr(sys, "stderr", tty)
+    for _ in progress_bar(range(3), desc="x", mininterval=0):
+        pass
+    assert "\r" in tty.getvalue()
+
+
+def test_outside_a_terminal_the_libraries_bars_are_off_for_this_process_and_its_workers(monkeypatch) -> None:
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    for name in (*LIBRARY_BARS_OFF, PROGRESS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "stderr", _Console(terminal=True))
+    quiet_library_progress()
+    assert not any(name in os.environ for name in (*LIBRARY_BARS_OFF, PROGRESS_ENV))  # a terminal keeps them
+    monkeypatch.setattr(sys, "stderr", _Console(terminal=False))
+    try:
+        quiet_library_progress()
+        assert all(os.environ[name] == "1" for name in LIBRARY_BARS_OFF)
+        assert progress_interval() == PROGRESS_LINE_S  # a Ray worker's steps, at the console's rate
+        assert datasets.is_progress_bar_enabled() is False
+        assert not transformers.utils.logging.is_progress_bar_enabled()
+    finally:
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
+        huggingface_hub.utils.enable_progress_bars()

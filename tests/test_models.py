@@ -15,8 +15,10 @@ from transformers import AutoTokenizer
 
 from darts_dist.errors import DartsError
 from darts_dist.sources.demo.tiny import FamilyShape, build_tiny_tokenizer, make_tiny_family
+from darts_dist.plan.shapes import BUNDLED_CONFIG
 from darts_dist.sources.models import (
     BUNDLED_MODEL,
+    BUNDLED_TOKENIZER,
     ModelInfo,
     bundled_model_dir,
     check_compatible,
@@ -230,12 +232,26 @@ def test_bundled_smollm2_is_converted_once():
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     tokenizer = load_tokenizer(folder)
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    for name in ("tokenizer.json", "chat_template.jinja"):  # the shipped copy is what the conversion writes
+        assert (folder / name).read_bytes() == (BUNDLED_TOKENIZER / name).read_bytes(), name
     model = load_causal_lm(folder)
     assert model.config.tie_word_embeddings
     first = time.monotonic() - started
     started = time.monotonic()
     bundled_model_dir()
     assert time.monotonic() - started < 0.1 < first
+
+
+def test_the_shipped_tokenizer_is_the_bundled_models() -> None:
+    """The bundled SmolLM2's tokenizer, shipped: its vocabulary fits the bundled config's embedding rows and its
+    chat template ends turns with the model's end-of-sequence token."""
+    tokenizer = load_tokenizer(BUNDLED_TOKENIZER)
+    config = json.loads(BUNDLED_CONFIG.read_text())
+    assert len(tokenizer) == config["vocab_size"] and tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == config["eos_token_id"]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert "named SmolLM" in chat and chat.endswith("<|im_start|>assistant\n")  # its own default system turn
+    assert chat.count("<|im_end|>") == chat.count("<|im_start|>") - 1  # every turn closed but the reply's
 
 
 def test_a_bug_while_loading_is_not_reported_as_corrupt_weights(tiny_family, monkeypatch) -> None:

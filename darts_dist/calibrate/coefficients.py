@@ -27,7 +27,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.func import functional_call
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from darts_dist.calibrate.features import TaskFeatures, collect_features
@@ -49,6 +48,7 @@ from darts_dist.core import (
 )
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_file
+from darts_dist.logs import progress_bar
 from darts_dist.merge.mergekit import build_mergekit_config, run_merge
 from darts_dist.sources.data import calibration_sets
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, read_model_info, resolve_device
@@ -276,7 +276,7 @@ def fit_coefficients(
     generator = torch.Generator().manual_seed(settings.seed)
     losses: list[float] = []
     started = time.perf_counter()
-    bar = tqdm(range(settings.coefficients.steps), desc="merge coefficients", unit="step", disable=not progress)
+    bar = progress_bar(range(settings.coefficients.steps), desc="merge coefficients", unit="step", disable=not progress)
     for step in bar:
         optimizer.zero_grad(set_to_none=True)
         device = module.merge.coefficients.device

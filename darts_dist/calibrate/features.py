@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from darts_dist.core import (
@@ -22,6 +21,7 @@ from darts_dist.core import (
     merged_hidden,
     next_token_entropy,
 )
+from darts_dist.logs import progress_bar
 
 
 @torch.no_grad()
@@ -138,7 +138,7 @@ def collect_features(
     targets: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
     entropies = []
     batches = list(data.batches(batch_size))
-    for batch in tqdm(batches, desc=f"features {task}", unit="batch", disable=not progress):
+    for batch in progress_bar(batches, desc=f"features {task}", unit="batch", disable=not progress):
         ids = batch["input_ids"].to(device)
         mask = batch["attention_mask"].to(device)
         hidden, entropy = expert_targets(expert, ids, mask, layers)
@@ -174,7 +174,7 @@ def collect_merged(
     """
     device = next(merged.parameters()).device
     states: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
-    for batch in tqdm(list(data.batches(batch_size)), desc=f"merged features {task}", unit="batch",
+    for batch in progress_bar(list(data.batches(batch_size)), desc=f"merged features {task}", unit="batch",
                       disable=not progress):
         hidden = merged_hidden(merged, batch["input_ids"].to(device), batch["attention_mask"].to(device), layers)
         for k in layers:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from darts_dist.calibrate.features import TaskFeatures, with_start_hidden
@@ -28,6 +27,7 @@ from darts_dist.core import (
     run_from,
     weighted_l1_loss,
 )
+from darts_dist.logs import progress_bar
 
 
 class StepCallback(Protocol):
@@ -137,7 +137,7 @@ def calibrate_in_process(
         handle.record = True
     losses: list[float] = []
     start = time.perf_counter()
-    bar = tqdm(range(settings.steps), desc="calibrate", unit="step", disable=not progress)
+    bar = progress_bar(range(settings.steps), desc="calibrate", unit="step", disable=not progress)
     rows_per_step = sum(min(settings.batch_size, len(task)) for task in features)
     try:
         for step in bar:

@@ -1,6 +1,6 @@
 """A merged causal LM with its DARTS corrections (and task router) inside, for transformers alone.
 
-`darts-dist export` puts this file, configuration_darts.py, hooks.py and correction.py beside the merged
+`darts-dist export` puts this file, hooks.py and correction.py beside the merged
 weights; they need torch, transformers and safetensors only. `AutoModelForCausalLM.from_pretrained(DIR,
 trust_remote_code=True)` builds the base architecture's own class (LlamaForCausalLM, Qwen2ForCausalLM, …) from
 the merged weights and puts the corrections on it with hooks (`hooks.py`, the hooks darts-dist trains and serves
@@ -31,11 +31,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import cached_file
 
-from .configuration_darts import DartsConfig
 from .correction import CorrectionSpec, DartsCorrections, mask_positions, one_hot_tasks
 from .hooks import attach_corrections, capture_hidden, surgery_module
 
@@ -43,8 +42,10 @@ MERGED = "merged"
 ROUTED = "routed"
 CORRECTIONS_FILE, ROUTER_FILE = "corrections.safetensors", "router.safetensors"
 # This file and what it imports: what a folder needs to load corrected (transformers copies them from it).
-CODE_FILES = ("configuration_darts.py", "modeling_darts.py", "hooks.py", "correction.py")
-AUTO_MAP = {"AutoConfig": "configuration_darts.DartsConfig", "AutoModelForCausalLM": "modeling_darts.DartsForCausalLM"}
+CODE_FILES = ("modeling_darts.py", "hooks.py", "correction.py")
+# The model only: config.json keeps the merged model's own model_type, so its config (and AutoTokenizer, which
+# reads it first) loads without remote code; AutoModelForCausalLM with trust_remote_code=True takes this class.
+AUTO_MAP = {"AutoModelForCausalLM": "modeling_darts.DartsForCausalLM"}
 SETTINGS_FILE = "darts_correction.json"  # a correction-only folder's settings; a model folder keeps them in config.json
 HEADER_KEY = "darts_dist"  # where darts-dist's safetensors files keep their JSON header
 # Fields of the merged model the corrections record and that a model they are put on must have.
@@ -208,7 +209,7 @@ class _DartsForward:
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         """The base's save_pretrained (push_to_hub's too), plus what makes the folder load corrected again: the
-        corrections and router files, this code, and config.json's darts model type."""
+        corrections and router files, this code, and config.json's DartsForCausalLM."""
         if set(self.darts.files) != {CORRECTIONS_FILE, *([ROUTER_FILE] if self.darts.router else [])}:
             raise ValueError("these corrections were not read from files, so they cannot be saved with the model")
         if kwargs.get("push_to_hub"):  # transformers would upload before the files below are written
@@ -221,7 +222,7 @@ class _DartsForward:
         for name, path in [*self.darts.files.items(), *((name, here / name) for name in CODE_FILES)]:
             shutil.copyfile(path, folder / name)
         config = json.loads((folder / "config.json").read_text())
-        config.update(model_type=DartsConfig.model_type, architectures=[DartsForCausalLM.__name__])
+        config.update(architectures=[DartsForCausalLM.__name__])
         (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     def _darts_place(self) -> None:
@@ -350,14 +351,17 @@ def darts_class(base: type[PreTrainedModel]) -> type[PreTrainedModel]:
 class DartsForCausalLM(PreTrainedModel):
     """What `auto_map` names: loads the merged model as its base architecture's class, corrections on."""
 
-    config_class = DartsConfig
+    config_class = PretrainedConfig
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, config: Any = None,
                         **kwargs: Any) -> PreTrainedModel:
         hub = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
         if config is None:
-            config = DartsConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+            config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+        if not isinstance(getattr(config, "darts", None), dict):
+            raise ValueError("this config.json has no 'darts' section: export the model again with "
+                             "`darts-dist export --format hf`")
         model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
             pretrained_model_name_or_path, *args, config=config, **kwargs)
         return DartsCorrection.from_pretrained(pretrained_model_name_or_path, config.darts, **hub).apply(model)

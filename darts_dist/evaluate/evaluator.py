@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from darts_dist.config import RunConfig
@@ -45,6 +44,7 @@ from darts_dist.evaluate.task_scores import (
     scorer_named,
 )
 from darts_dist.generation import CorrectedLM
+from darts_dist.logs import progress_bar
 from darts_dist.sources.corrections import load_corrections_for
 from darts_dist.sources.data import TaskFiles, tokenized
 from darts_dist.sources.models import model_identity
@@ -137,7 +137,7 @@ class Evaluator:
         size = self.config.calibration.batch_size
 
         def compute() -> list[T]:
-            batches = tqdm(list(data.batches(size)), desc=desc, unit="batch", disable=not self.progress or not desc)
+            batches = progress_bar(list(data.batches(size)), desc=desc, unit="batch", disable=not self.progress or not desc)
             return [run(model, batch, self.layer) for batch in batches]
 
         if self.cache is None or identity is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from darts_dist.evaluate.statistics import gap_closed
+from darts_dist.evaluate.statistics import gap_closed, nll_gap
 
 SCORE_KEYS = ("score_base", "score_expert", "score_merged", "score_corrected", "score_routed")
 OVERALL_KEYS = (
@@ -23,9 +23,13 @@ def overall(tasks: Mapping[str, Mapping[str, object]]) -> dict[str, float | None
     for key in OVERALL_KEYS:
         values = [t[key] for t in tasks.values() if t.get(key) is not None]
         summary[key] = sum(values) / len(values) if values else None
-    nll = [summary[f"nll_{model}"] for model in ("expert", "merged", "corrected")]
-    if summary["nll_gap_closed"] is not None and None not in nll:
-        expert, merged, corrected = nll
+    expert, merged, corrected = (summary[f"nll_{model}"] for model in ("expert", "merged", "corrected"))
+    sds = [t.get("nll_gap_sd") for t in tasks.values()]
+    if expert is not None and merged is not None and tasks and None not in sds:
+        # The mean over tasks of independent differences: its sd is √(Σ sd²) / tasks.
+        summary["nll_gap_sd"] = math.sqrt(sum(sd * sd for sd in sds)) / len(sds)
+        summary["nll_gap_closed"], summary["nll_no_gap"] = nll_gap(expert, merged, corrected, summary["nll_gap_sd"])
+    elif summary["nll_gap_closed"] is not None and None not in (expert, merged, corrected):  # an older report
         summary["nll_gap_closed"] = gap_closed(-expert, -merged, -corrected)  # lower is better
     return summary
 
@@ -51,10 +55,14 @@ def evaluation_rows(
 ) -> list[list[str]]:
     """Table rows (one per task, then the overall row: `summary`, by default the mean over the tasks) with
     numbers formatted for people."""
-    rows = [[name] + [format_value(c, result.get(c)) for c in columns] for name, result in tasks.items()]
     summary = overall(tasks) if summary is None else summary
-    rows.append(["overall"] + [format_value(c, summary.get(c)) for c in columns])
-    return rows
+    return [[name] + [_cell(c, result) for c in columns] for name, result in [*tasks.items(), ("overall", summary)]]
+
+
+def _cell(key: str, result: Mapping[str, object]) -> str:
+    if key == "nll_gap_closed" and result.get("nll_no_gap"):
+        return "no gap"  # the merge's NLL within the noise of the expert's (statistics.nll_gap)
+    return format_value(key, result.get(key))
 
 
 EVALUATION_COLUMNS = {

@@ -19,7 +19,6 @@ from importlib import resources
 from pathlib import Path
 
 import datasets
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from darts_dist.config import EvaluationSection
@@ -28,6 +27,7 @@ from darts_dist.errors import DartsError
 from darts_dist.evaluate.sandbox import run_sandboxed, sandbox_kind
 from darts_dist.evaluate.statistics import gap_closed, mean_score_interval, paired_comparison, wilson_interval
 from darts_dist.generation import CorrectedLM
+from darts_dist.logs import progress_bar
 from darts_dist.sources.data import load_rows
 from darts_dist.sources.models import pad_id
 
@@ -214,7 +214,7 @@ def completions(
         return []
     options = {"tasks": [task] * len(problems), "max_new_tokens": settings.max_new_tokens or scorer.max_new_tokens,
                "stop": scorer.stop or None, "max_batch_size": settings.generation_batch_size}
-    with tqdm(total=len(problems), desc=desc, unit="answer", disable=not progress) as bar:
+    with progress_bar(total=len(problems), desc=desc, unit="answer", disable=not progress) as bar:
         if problems[0].messages:
             done = lm.chat([list(p.messages) for p in problems], **options, on_finished=bar.update)
         else:

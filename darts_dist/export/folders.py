@@ -114,8 +114,7 @@ def export_model(source: ExportSource, out: Path, fmt: Format = "hf", task: str 
             (shutil.copytree if path.is_dir() else shutil.copyfile)(path, folder / path.name)
         if dtype is not None:  # transformers 5 reads `dtype`; an older file's `torch_dtype` would contradict it
             config = {**{k: v for k, v in config.items() if k != "torch_dtype"}, "dtype": dtype}
-        _write_json(folder / "config.json", {**config, "model_type": "darts",
-                                             "architectures": ["DartsForCausalLM"], "auto_map": AUTO_MAP,
+        _write_json(folder / "config.json", {**config, "architectures": ["DartsForCausalLM"], "auto_map": AUTO_MAP,
                                              "darts": settings, "darts_task": default})
         (folder / "README.md").write_text(model_card(source, settings, default, out.name))
     return out

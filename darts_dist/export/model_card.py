@@ -72,12 +72,13 @@ a small per-task correction of the hidden states, ĥ = h − U·ReLU(D·h) + P[t
 ({_share(source)}). Exported by darts-dist from `{source.origin}`.
 
 The correction is not linear, so it cannot be folded into the weights: this folder's own code applies it
-(`trust_remote_code=True`; the tokenizer needs it too, to read this config).
+(`trust_remote_code=True`; **without it, transformers loads the plain merge**). The tokenizer is the merged
+model's own.
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("{folder}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("{folder}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{folder}")
 ```
 
 `darts_task` picks the correction: one of {tasks},{routed} or `merged` (no correction: the plain merge).

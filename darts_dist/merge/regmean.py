@@ -23,7 +23,6 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from darts_dist.config import REGMEAN_RECORD, RunConfig, compute_dtype_name
 from darts_dist.core import TokenizedSet
@@ -31,7 +30,7 @@ from darts_dist.core.regmean import GramRecorder, solve
 from darts_dist.core.regmean import contribution as linear_contribution
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, atomic_file
-from darts_dist.logs import show_progress_logs
+from darts_dist.logs import progress_bar, show_progress_logs
 from darts_dist.memory import PeakMemory
 from darts_dist.merge.mergekit import REGMEAN, build_mergekit_config, merge_device, merge_into
 from darts_dist.ray_cluster.remote import expert_group, get_or_raise
@@ -60,7 +59,7 @@ class GramCollector:
         batches = list(data.batches(batch_size))
         marks = {len(batches) * quarter // 4 for quarter in (1, 2, 3)}  # a line at each quarter: Ray shows no bars
         with self.recorder.recording(self.model):
-            for done, batch in enumerate(tqdm(batches, desc=f"regmean grams {data.task}", unit="batch",
+            for done, batch in enumerate(progress_bar(batches, desc=f"regmean grams {data.task}", unit="batch",
                                               disable=not progress), 1):
                 self.recorder.run(self.model, batch["input_ids"].to(self.device),
                                   batch["attention_mask"].to(self.device))
@@ -181,7 +180,7 @@ def _merge_linears(folder: Path, pool: Collectors, shapes: Mapping[str, tuple[in
             else None
 
     pending, tensors = shares(0), {}
-    for index, (file, module) in enumerate(tqdm(order, desc="regmean solve", unit="linear", disable=not progress)):
+    for index, (file, module) in enumerate(progress_bar(order, desc="regmean solve", unit="linear", disable=not progress)):
         if not tensors:
             tensors = load_file(file)
         answered, pending = pool.fetch(pending), shares(index + 1)

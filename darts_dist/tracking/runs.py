@@ -356,7 +356,7 @@ def evaluation_metrics(evaluation: Mapping[str, Any]) -> dict[str, float]:
     metrics = {}
     for scope, values in [("overall", evaluation["overall"]), *evaluation["tasks"].items()]:
         for key, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "tokens":
+            if isinstance(value, (int, float)) and key != "tokens":  # a flag (nll_no_gap) as 0 or 1
                 metrics[f"eval.{scope}.{key}"] = float(value)
             elif key.endswith("_ci") and value is not None:  # a score's interval: its two ends
                 metrics |= {f"eval.{scope}.{key}.{end}": float(v) for end, v in zip(("low", "high"), value)}

@@ -46,7 +46,7 @@ from darts_dist.core import (
     save_corrections,
 )
 from darts_dist.errors import DartsError
-from darts_dist.logs import show_progress_logs
+from darts_dist.logs import progress_interval, show_progress_logs
 from darts_dist.memory import PeakMemory
 from darts_dist.ray_cluster.cpu_share import ForwardTurn, cpu_share, node_cores, take_share, training_threads
 from darts_dist.ray_cluster.placement import gpu_ids
@@ -153,11 +153,11 @@ class TrainState:
 
 
 class Progress:
-    """Rank 0's progress lines, at most one every `interval` seconds unless forced."""
+    """Rank 0's progress lines, at most one every `interval` seconds (the driver's console's rate) unless forced."""
 
-    def __init__(self, enabled: bool, interval: float = 10.0) -> None:
+    def __init__(self, enabled: bool, interval: float | None = None) -> None:
         self.enabled = enabled
-        self.interval = interval
+        self.interval = progress_interval() if interval is None else interval
         self.last = 0.0
 
     def __call__(self, message: str, force: bool = False) -> None:

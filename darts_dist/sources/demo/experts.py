@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.masking_utils import create_causal_mask
 
 from darts_dist.core import mask_positions
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir
+from darts_dist.logs import progress_bar
 from darts_dist.sources.data import load_rows, tokenize_rows
 from darts_dist.sources.models import BUNDLED_MODEL, content_hash, load_causal_lm, load_tokenizer
 
@@ -189,7 +189,7 @@ def train_top(
     generator = torch.Generator().manual_seed(settings.seed)
     order: list[int] = []
     losses = []
-    progress = tqdm(range(settings.steps), desc=desc, unit="step")
+    progress = progress_bar(range(settings.steps), desc=desc, unit="step")
     for _ in progress:
         if not order:
             # A fresh shuffle of the batches each epoch; batch contents stay as cached.
@@ -233,7 +233,7 @@ def train_expert(
     tokenized = tokenize_rows(load_rows(train_file), tokenizer, task, settings.max_length,
                               max_samples=settings.num_samples)
     model = load_causal_lm(base_dir)
-    batches = tqdm(tokenized.batches(settings.batch_size), desc=f"{task}: frozen bottom", unit="batch",
+    batches = progress_bar(tokenized.batches(settings.batch_size), desc=f"{task}: frozen bottom", unit="batch",
                    total=math.ceil(len(tokenized) / settings.batch_size))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.precision == "bf16"):
         features = frozen_bottom_features(model, batches, settings.top_layers)
