@@ -40,6 +40,7 @@ def tiny_tokenizer():
 
 
 FAKE_GPUS = 4
+RAY_CLUSTER_CPUS = 8
 # The one Ray cluster of this test process, once a test asks for it (`ray_cluster`).
 _SHARED_RAY = {"up": False}
 
@@ -52,7 +53,7 @@ def ray_cluster():
     it does not have (Ray takes the count as given): a GPU cluster's layout, rehearsed on CPUs (test_fake_gpus)."""
     import ray
 
-    ray.init(num_cpus=8, num_gpus=FAKE_GPUS, resources={"expert_node": 1}, include_dashboard=False)
+    ray.init(num_cpus=RAY_CLUSTER_CPUS, num_gpus=FAKE_GPUS, resources={"expert_node": 1}, include_dashboard=False)
     _SHARED_RAY["up"] = True
     yield
     _SHARED_RAY["up"] = False

@@ -7,13 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from mlflow_server import free_port
+from conftest import FAKE_GPUS, RAY_CLUSTER_CPUS
 from transformers import AutoModelForCausalLM
 
 from darts_dist.cli import main
@@ -140,43 +139,21 @@ def test_bad_input_is_refused(llama2_7b: Path, tmp_path: Path, capsys, case: str
     assert expected in err and "fix:" in err
 
 
-def stop_processes(pattern: str, grace_s: float = 10.0) -> None:
-    """SIGTERM to the processes whose command line holds `pattern`, SIGKILL to those left after `grace_s`."""
-    def left() -> bool:
-        return bool(subprocess.run(["pgrep", "-f", pattern], capture_output=True).stdout)
-
-    subprocess.run(["pkill", "-f", pattern], timeout=60)
-    deadline = time.monotonic() + grace_s
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    if left():
-        subprocess.run(["pkill", "-9", "-f", pattern], timeout=60)
-        time.sleep(1)
-    assert not left(), f"processes of {pattern} left running"
-
-
 @pytest.mark.slow
-def test_a_live_cluster_with_four_fake_gpus_is_asked(llama2_7b: Path) -> None:
-    """A Ray head started with 4 GPUs it does not have (Ray takes the count as given): the plan reads its nodes,
-    and the 7B example's five GPU actors do not fit."""
-    folder = tempfile.mkdtemp(prefix="dd-", dir="/tmp")  # Ray's socket paths must stay short
-    port = free_port()
+def test_a_live_cluster_with_four_fake_gpus_is_asked(llama2_7b: Path, ray_cluster) -> None:
+    """The test session's Ray cluster (4 GPUs it does not have: Ray takes the count as given), asked by `plan
+    --address` from a process of its own as a user's head is: the plan reads its nodes, and the 7B example's five
+    GPU actors do not fit."""
+    import ray
+
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    try:
-        started = subprocess.run([str(Path(sys.executable).parent / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
-                                  "--num-cpus=64", "--num-gpus=4", '--resources={"gpu_node": 4}',
-                                  "--include-dashboard=false", f"--temp-dir={folder}"],
-                                 env=env, capture_output=True, text=True, timeout=300)
-        assert started.returncode == 0, started.stderr[-2000:]
-        result = subprocess.run([sys.executable, "-m", "darts_dist.cli", "plan", str(llama2_7b), "--address",
-                                 f"127.0.0.1:{port}", "--gpu-memory", "80"],
-                                env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 2, result.stderr[-3000:]
-        assert "1 node(s), 64 CPUs, 4 GPUs of 80 GiB" in result.stdout
-        assert "(5 in all)" in result.stderr and "fix:" in result.stderr
-    finally:
-        stop_processes(folder + "/")
+    result = subprocess.run([sys.executable, "-m", "darts_dist.cli", "plan", str(llama2_7b), "--address",
+                             ray.get_runtime_context().gcs_address, "--gpu-memory", "80"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"1 node(s), {RAY_CLUSTER_CPUS} CPUs, {FAKE_GPUS} GPUs of 80 GiB" in result.stdout
+    assert "(5 in all)" in result.stderr and "fix:" in result.stderr
 
 
 def test_the_commands_check_before_they_start_anything(llama2_7b: Path, tmp_path: Path, capsys, monkeypatch) -> None:
