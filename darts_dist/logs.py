@@ -63,6 +63,15 @@ class _Lines:
         self.stream.flush()
 
 
+class _LineBar(tqdm):
+    """tqdm for a log file: no line for a bar that has not moved yet (its 0% would double every stage's lines)."""
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if msg is None and self.n == 0:
+            return True
+        return super().display(msg, pos)
+
+
 def on_terminal() -> bool:
     return sys.stderr.isatty()
 
@@ -73,11 +82,11 @@ def progress_interval() -> float:
 
 
 def progress_bar(iterable: Iterable | None = None, **options: Any) -> tqdm:
-    """tqdm on stderr: a bar on a terminal; elsewhere its status as a line when it starts, at most every
-    PROGRESS_LINE_S seconds, and when it ends."""
+    """tqdm on stderr: a bar on a terminal; elsewhere its status as a line at most every PROGRESS_LINE_S seconds
+    while it runs, and when it ends."""
     if on_terminal():
         return tqdm(iterable, **options)
-    return tqdm(iterable, file=_Lines(sys.stderr), mininterval=PROGRESS_LINE_S, **options)
+    return _LineBar(iterable, file=_Lines(sys.stderr), mininterval=PROGRESS_LINE_S, **options)
 
 
 def quiet_library_progress() -> None:
