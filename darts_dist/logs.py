@@ -44,8 +44,10 @@ PROGRESS_TTY_S = 10.0  # on a terminal: how often a stage without a bar (a Ray w
 # Set by a command whose console is not a terminal, for the Ray workers it starts (they inherit its environment
 # and cannot see its console): their progress lines come at its rate.
 PROGRESS_ENV = "DARTS_DIST_PROGRESS_S"
-# Read once by the libraries at import (datasets, huggingface_hub and transformers' bars): set before they load.
-LIBRARY_BARS_OFF = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS")
+# Read once by the libraries at import: set before they load. datasets' bars (one per split it generates, ~30 a
+# demo) are off everywhere; huggingface_hub's and transformers' (one per load and save) outside a terminal.
+DATASETS_BARS_OFF = "HF_DATASETS_DISABLE_PROGRESS_BARS"
+LIBRARY_BARS_OFF = (DATASETS_BARS_OFF, "HF_HUB_DISABLE_PROGRESS_BARS")
 
 
 class _Lines:
@@ -90,17 +92,18 @@ def progress_bar(iterable: Iterable | None = None, **options: Any) -> tqdm:
 
 
 def quiet_library_progress() -> None:
-    """The libraries' own bars (datasets: one per split generated; transformers and the hub: per load and save)
-    off outside a terminal, in this process and, through the environment, in the Ray workers and programs it
-    starts. darts-dist's own progress (`progress_bar`, the `darts_dist` loggers) stays."""
+    """The libraries' own bars off (datasets' always; transformers' and the hub's outside a terminal), in this
+    process and, through the environment, in the Ray workers and programs it starts. darts-dist's own progress
+    (`progress_bar`, the `darts_dist` loggers) stays."""
+    os.environ.setdefault(DATASETS_BARS_OFF, "1")
+    # Modules loaded before this read their setting already (a test process; a command importing early).
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
     if on_terminal():
         return
     for name in LIBRARY_BARS_OFF:
         os.environ.setdefault(name, "1")
     os.environ.setdefault(PROGRESS_ENV, str(PROGRESS_LINE_S))
-    # Modules loaded before this read their setting already (a test process; a command importing early).
-    if "datasets" in sys.modules:
-        sys.modules["datasets"].disable_progress_bars()
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     if "huggingface_hub" in sys.modules:

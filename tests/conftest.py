@@ -60,6 +60,22 @@ def ray_cluster():
     ray.shutdown()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    users = [item.nodeid for item in session.items if "ray_cluster" in getattr(item, "fixturenames", ())]
+    _SHARED_RAY["last_user"] = users[-1] if users else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The shared cluster stops after its last user (the tier guard runs its users' modules first): the tests after
+    it start servers and clusters of their own, which should not share 2 cores with its idle processes."""
+    if item.nodeid == _SHARED_RAY.get("last_user") and _SHARED_RAY["up"]:
+        import ray
+
+        ray.shutdown()
+        _SHARED_RAY["up"] = False
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_ray_left_running():
     """Every test module leaves no Ray session of its own behind (the shared one stays): a later

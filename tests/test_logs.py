@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from darts_dist.logs import (LIBRARY_BARS_OFF, PROGRESS_ENV, PROGRESS_LINE_S, VERBOSE_ENV, own_lines, progress_bar,
+from darts_dist.logs import (DATASETS_BARS_OFF, LIBRARY_BARS_OFF, PROGRESS_ENV, PROGRESS_LINE_S, VERBOSE_ENV, own_lines, progress_bar,
                              progress_interval, quiet_library_progress)
 
 # A Ray actor that prints a line of Ray's kind and logs a darts-dist progress line, with the driver as darts-dist
@@ -99,10 +99,13 @@ def test_outside_a_terminal_the_libraries_bars_are_off_for_this_process_and_its_
     for name in (*LIBRARY_BARS_OFF, PROGRESS_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "stderr", _Console(terminal=True))
-    quiet_library_progress()
-    assert not any(name in os.environ for name in (*LIBRARY_BARS_OFF, PROGRESS_ENV))  # a terminal keeps them
-    monkeypatch.setattr(sys, "stderr", _Console(terminal=False))
+    transformers.utils.logging.enable_progress_bar()  # whatever an earlier command of this process set
     try:
+        quiet_library_progress()
+        assert os.environ[DATASETS_BARS_OFF] == "1" and not datasets.is_progress_bar_enabled()  # noise anywhere
+        assert not any(name in os.environ for name in (*LIBRARY_BARS_OFF[1:], PROGRESS_ENV))  # a terminal's bars
+        assert transformers.utils.logging.is_progress_bar_enabled()
+        monkeypatch.setattr(sys, "stderr", _Console(terminal=False))
         quiet_library_progress()
         assert all(os.environ[name] == "1" for name in LIBRARY_BARS_OFF)
         assert progress_interval() == PROGRESS_LINE_S  # a Ray worker's steps, at the console's rate

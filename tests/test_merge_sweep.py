@@ -109,7 +109,8 @@ def test_merge_sweep_command_writes_its_report(tiny_family, tmp_path: Path, monk
 def test_a_regmean_candidate_is_merged_from_the_calibration_rows(tiny_family, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(merge_sweep, "problem_passes", lambda lm, task, problems, *a, **k: [False] * len(problems))
     config = _config(tiny_family, tmp_path, validation_fraction=0.5)
-    config = updated(config, merge=updated(config.merge, method="regmean", parameters={}, others={"method": "linear"}))
+    config = updated(config, merge=updated(config.merge, method="regmean", parameters={}, others={"method": "linear"}),
+                     cluster=updated(config.cluster, executor="in-process"))  # RegMean's Grams on Ray: test_regmean
     candidates = [MergeCandidate.parse("regmean:alpha=0.5"), MergeCandidate.parse("task_arithmetic:weight=0.5")]
     report = sweep_merges(config, candidates, progress=False)
     merged = Path(report["candidates"]["regmean:alpha=0.5"]["merged"])

@@ -38,7 +38,10 @@ def is_slow(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=is_slow)  # stable: each tier keeps its file order
+    # Stable: each tier keeps its file order, but for the modules that use the session's shared Ray cluster
+    # (conftest's `ray_cluster`), which run first in the slow tier: the cluster stops after its last user.
+    shared = {getattr(item, "module", None) for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: (is_slow(item), is_slow(item) and getattr(item, "module", None) not in shared))
     for item in items:
         if is_slow(item) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
