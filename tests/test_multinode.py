@@ -64,7 +64,7 @@ def write_config(tiny_family, folder: Path, **cluster: object) -> Path:
     config["sources"]["base"] = str(tiny_family.base)
     for expert in config["sources"]["experts"]:
         expert["path"] = str(tiny_family.experts[expert["task"]])
-    config["calibration"] |= {"num_samples": 16, "steps": 20}
+    config["calibration"] |= {"num_samples": 8, "steps": 8}
     config["evaluation"] |= {"score_limit": 0}  # where the job ran is the question here, not its answers
     config["cluster"] |= cluster
     path = folder / "run.yaml"
