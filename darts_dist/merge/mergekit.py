@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
+from darts_dist.logs import on_terminal
 from darts_dist.sources.models import VOCABULARY_POLICY, added_rows, check_compatible, read_model_info, resolve_path
 
 # Keys under which mergekit's schema holds a model reference ("path[@rev][+lora[@rev]]").
@@ -150,6 +151,7 @@ def merge_into(config: Mapping[str, Any], folder: Path, seed: int | None = 0, na
         safe_serialization=True,
         random_seed=seed,
         lora_merge_cache=str(cache_root() / "adapters" / "mergekit"),
+        quiet=not on_terminal(),  # its bars redraw: in a log file, one line thousands of characters long
     )
     # mergekit keeps one loader per model in a process-wide dict that is never emptied:
     # a loader from an earlier merge would serve a folder's old index after it changed.
