@@ -88,7 +88,9 @@ def progress_bar(iterable: Iterable | None = None, **options: Any) -> tqdm:
     while it runs, and when it ends."""
     if on_terminal():
         return tqdm(iterable, **options)
-    return _LineBar(iterable, file=_Lines(sys.stderr), mininterval=PROGRESS_LINE_S, **options)
+    # maxinterval too: tqdm's monitor thread otherwise redraws a slow bar every 10 s whatever mininterval says.
+    return _LineBar(iterable, file=_Lines(sys.stderr), mininterval=PROGRESS_LINE_S, maxinterval=PROGRESS_LINE_S,
+                    **options)
 
 
 def quiet_library_progress() -> None:
