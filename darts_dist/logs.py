@@ -44,10 +44,12 @@ PROGRESS_TTY_S = 10.0  # on a terminal: how often a stage without a bar (a Ray w
 # Set by a command whose console is not a terminal, for the Ray workers it starts (they inherit its environment
 # and cannot see its console): their progress lines come at its rate.
 PROGRESS_ENV = "DARTS_DIST_PROGRESS_S"
-# Read once by the libraries at import: set before they load. datasets' bars (one per split it generates, ~30 a
-# demo) are off everywhere; huggingface_hub's and transformers' (one per load and save) outside a terminal.
+# The libraries' own switches (datasets, huggingface_hub and transformers read theirs once, at import: set before
+# they load). datasets' bars (one per split it generates, ~30 a demo) are off everywhere; the hub's and
+# transformers' (a load, a save) and MLflow's (an artifact download, at registration) outside a terminal.
 DATASETS_BARS_OFF = "HF_DATASETS_DISABLE_PROGRESS_BARS"
-LIBRARY_BARS_OFF = (DATASETS_BARS_OFF, "HF_HUB_DISABLE_PROGRESS_BARS")
+LIBRARY_BARS_OFF = {DATASETS_BARS_OFF: "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
 class _Lines:
@@ -103,8 +105,8 @@ def quiet_library_progress() -> None:
         sys.modules["datasets"].disable_progress_bars()
     if on_terminal():
         return
-    for name in LIBRARY_BARS_OFF:
-        os.environ.setdefault(name, "1")
+    for name, value in LIBRARY_BARS_OFF.items():
+        os.environ.setdefault(name, value)
     os.environ.setdefault(PROGRESS_ENV, str(PROGRESS_LINE_S))
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()

@@ -103,11 +103,14 @@ def test_outside_a_terminal_the_libraries_bars_are_off_for_this_process_and_its_
     try:
         quiet_library_progress()
         assert os.environ[DATASETS_BARS_OFF] == "1" and not datasets.is_progress_bar_enabled()  # noise anywhere
-        assert not any(name in os.environ for name in (*LIBRARY_BARS_OFF[1:], PROGRESS_ENV))  # a terminal's bars
+        assert not any(name in os.environ for name in (*list(LIBRARY_BARS_OFF)[1:], PROGRESS_ENV))  # a terminal's
         assert transformers.utils.logging.is_progress_bar_enabled()
         monkeypatch.setattr(sys, "stderr", _Console(terminal=False))
         quiet_library_progress()
-        assert all(os.environ[name] == "1" for name in LIBRARY_BARS_OFF)
+        assert all(os.environ[name] == value for name, value in LIBRARY_BARS_OFF.items())
+        from mlflow.environment_variables import MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR
+
+        assert MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.get() is False  # its downloads at registration
         assert progress_interval() == PROGRESS_LINE_S  # a Ray worker's steps, at the console's rate
         assert datasets.is_progress_bar_enabled() is False
         assert not transformers.utils.logging.is_progress_bar_enabled()
