@@ -3,9 +3,9 @@
 Progress bars are tqdm's (on stderr too, `progress_bar`): redrawn on a terminal, one whole line per
 PROGRESS_LINE_S elsewhere (a log file). `print` is kept for the results a command exists to print, so a
 command's stdout is its results and nothing else. Ray's own lines (Ray Data's execution plans, Ray Train's
-reports, its warnings) stay in Ray's log files unless `--verbose` (`init_ray`), and the libraries' own bars
-(datasets' per split, transformers' per load) are off outside a terminal (`quiet_library_progress`), so that
-the console shows darts-dist's progress.
+reports, its warnings) stay in Ray's log files unless `--verbose` (`init_ray`), and the libraries' own bars are
+off (`quiet_library_progress`: datasets' everywhere, transformers', the hub's and MLflow's outside a terminal),
+so that the console shows darts-dist's progress.
 """
 
 from __future__ import annotations

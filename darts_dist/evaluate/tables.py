@@ -25,7 +25,7 @@ def overall(tasks: Mapping[str, Mapping[str, object]]) -> dict[str, float | None
         summary[key] = sum(values) / len(values) if values else None
     expert, merged, corrected = (summary[f"nll_{model}"] for model in ("expert", "merged", "corrected"))
     sds = [t.get("nll_gap_sd") for t in tasks.values()]
-    if expert is not None and merged is not None and tasks and None not in sds:
+    if expert is not None and merged is not None and None not in sds:
         # The mean over tasks of independent differences: its sd is √(Σ sd²) / tasks.
         summary["nll_gap_sd"] = math.sqrt(sum(sd * sd for sd in sds)) / len(sds)
         summary["nll_gap_closed"], summary["nll_no_gap"] = nll_gap(expert, merged, corrected, summary["nll_gap_sd"])
