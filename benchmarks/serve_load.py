@@ -456,7 +456,8 @@ def register_versions(config, merged_dir: Path, router: Path, folder: Path) -> s
     from serve_overhead import random_corrections
 
     from darts_dist.tracking.registry import log_pyfunc_model
-    from darts_dist.tracking.runs import connect, environment, experiment_id
+    from darts_dist.tracking.runs import connect, experiment_id
+    from darts_dist.tracking.store import environment
 
     uri = f"sqlite:///{folder}/mlflow.db"
     client = connect(uri)

@@ -4,16 +4,18 @@ its work since it started, on the device the plan counts.
 On a GPU, torch's peak allocation on the device. On the CPU, the process's resident memory (VmRSS: tensors,
 activations and buffers, and the pages of memory-mapped weight files it has touched, since safetensors loads
 fp32 weights onto the CPU without a copy) above what it held at the start, sampled every 5 ms by a daemon
-thread: a transient shorter than that can be missed. Light imports only (the stream's Ray Data actors import
-this).
+thread: a transient shorter than that can be missed. Light imports only: the stream's Ray Data coordinators import
+this module and never touch a device, so torch is imported where a GPU is measured.
 """
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SAMPLE_S = 0.005
 
@@ -33,8 +35,11 @@ class PeakMemory:
     """The most memory held since construction, above what was held then (`peak()`, in bytes)."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
+        self.device = device
+        self.cuda = str(device).startswith("cuda")
+        if self.cuda:
+            import torch
+
             torch.cuda.reset_peak_memory_stats(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
             return
@@ -47,7 +52,9 @@ class PeakMemory:
             self.highest = max(self.highest, resident_bytes())
 
     def peak(self) -> int:
-        if self.device.type == "cuda":
+        if self.cuda:
+            import torch
+
             return torch.cuda.max_memory_allocated(self.device) - self.baseline
         self.highest = max(self.highest, resident_bytes())
         return self.highest - self.baseline
@@ -55,6 +62,6 @@ class PeakMemory:
     def stop(self) -> int:
         """The peak; the sampling stops (a role done with its work)."""
         peak = self.peak()
-        if self.device.type != "cuda":
+        if not self.cuda:
             self._stop.set()
         return peak

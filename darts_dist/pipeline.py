@@ -50,7 +50,6 @@ from darts_dist.tracking.registry import (
 )
 from darts_dist.tracking.runs import (
     CORRECTIONS_TAG,
-    StepLogger,
     Tracking,
     evaluation_metrics,
     log_calibration,
@@ -59,6 +58,7 @@ from darts_dist.tracking.runs import (
     log_merge,
     system_tags,
 )
+from darts_dist.tracking.step_logger import StepLogger
 
 logger = logging.getLogger(__name__)
 

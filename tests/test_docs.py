@@ -14,7 +14,6 @@ import types
 import typing
 from pathlib import Path
 
-import pytest
 import yaml
 from pydantic import BaseModel
 

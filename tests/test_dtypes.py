@@ -122,7 +122,8 @@ def test_the_registered_model_computes_where_its_model_config_says(tiny_family, 
     overrides it."""
     import mlflow
     from darts_dist.tracking.registry import log_pyfunc_model
-    from darts_dist.tracking.runs import TRACKING_URI_ENV, connect, environment, experiment_id
+    from darts_dist.tracking.runs import TRACKING_URI_ENV, connect, experiment_id
+    from darts_dist.tracking.store import environment
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = connect(uri)

@@ -33,7 +33,8 @@ from darts_dist.generation import CorrectedLM
 from darts_dist.serve.model import resolve_model, serve_settings
 from darts_dist.sources.corrections import corrections_metadata
 from darts_dist.tracking.registry import DECISIVE_METRIC, log_pyfunc_model, register_version
-from darts_dist.tracking.runs import connect, environment, experiment_id
+from darts_dist.tracking.runs import connect, experiment_id
+from darts_dist.tracking.store import environment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import serve_load  # noqa: E402  (benchmarks/ is no package; its run_load needs no model set-up)

@@ -11,7 +11,8 @@ from typing import Any
 from darts_dist.config import RunConfig
 from darts_dist.serve.model import resolve_model
 from darts_dist.tracking.registry import ModelFiles, model_version
-from darts_dist.tracking.runs import TRACKING_URI_ENV, connect, environment
+from darts_dist.tracking.runs import TRACKING_URI_ENV, connect
+from darts_dist.tracking.store import environment
 
 REPORT_NAMES = ("report.json", "calibration.json")  # what a demo and a calibrate run write
 

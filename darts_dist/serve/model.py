@@ -19,7 +19,8 @@ from darts_dist.tracking.registry import (
     registered_model_name,
     version_config,
 )
-from darts_dist.tracking.runs import TRACKING_URI_ENV, connect, environment, tracking_uri
+from darts_dist.tracking.runs import TRACKING_URI_ENV, connect, tracking_uri
+from darts_dist.tracking.store import environment
 
 MERGED_ID = "merged"
 

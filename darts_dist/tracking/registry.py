@@ -30,7 +30,8 @@ from darts_dist.core import ROUTER_FILE
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
 from darts_dist.sources.models import compute_label, model_dtype, resolve_device
-from darts_dist.tracking.runs import CORRECTIONS_TAG, MERGED_DIR_TAG, STAGE_TAG, TRACKING_URI_ENV, environment
+from darts_dist.tracking.runs import CORRECTIONS_TAG, MERGED_DIR_TAG, STAGE_TAG, TRACKING_URI_ENV
+from darts_dist.tracking.store import environment
 from mlflow import MlflowClient
 
 MERGED_ARTIFACT = "merged"

@@ -3,7 +3,7 @@
 A command (`demo`, `calibrate`, `evaluate`, `merge`) opens a session: a parent run
 named after the config holding the whole validated config, and a nested run for each stage it
 performs (merge, calibration, evaluation). Everything here takes plain values and run ids, so a
-Ray Train worker can log to a run it did not create (`StepLogger` pickles as two strings).
+Ray Train worker can log to a run it did not create (`step_logger.StepLogger` pickles as two strings).
 `MLFLOW_TRACKING_URI` wins over the config's `tracking.uri`; a relative `sqlite:///` file is
 taken from the current folder, with its artifacts in `mlartifacts/` next to it.
 """
@@ -22,17 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import requests
-import sqlalchemy.exc
 import yaml
 from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
 from darts_dist.config import REGMEAN_RECORD, RunConfig, TrackingSection
 from darts_dist.core import BUCKET_LABELS, POSITION_BUCKETS
 from darts_dist.errors import DartsError
 from darts_dist.sources.models import content_hash
+from darts_dist.tracking.step_logger import StepLogger
+from darts_dist.tracking.store import QUICK_REQUESTS, STORE_ERRORS, environment
 from mlflow import MlflowClient
 
 logger = logging.getLogger(__name__)
@@ -45,17 +44,9 @@ _PARAMS_PER_BATCH = 100
 _PARAM_VALUE_LIMIT = 6000
 # How long the reachability check may take: a server that does not answer in this time is down.
 _CHECK_TIMEOUT_S = "5"
-# Per-step metrics are sent in batches: one request per step would dominate a fast step.
-_STEPS_PER_FLUSH = 50
-_METRICS_PER_BATCH = 1000  # MLflow's limit per log_batch request
-_MAX_PENDING = 100_000  # step metrics kept while the store is down (the report keeps every loss anyway)
-# A store that stops answering mid-run costs each request seconds, not MLflow's default minutes of back-off.
-_QUICK_REQUESTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 STAGE_TAG = "darts.stage"
 CORRECTIONS_TAG = "darts.corrections"
 MERGED_DIR_TAG = "darts.merged_dir"
-# What a tracking store that is down or refuses a request raises: MLflow's own errors, HTTP errors, SQL errors.
-STORE_ERRORS = (MlflowException, requests.RequestException, sqlalchemy.exc.SQLAlchemyError, OSError)
 
 
 def tracking_uri(configured: str) -> str:
@@ -72,21 +63,6 @@ def tracking_uri(configured: str) -> str:
 
 def _sqlite_file(uri: str) -> Path | None:
     return Path(uri[len(SQLITE_PREFIX):]) if uri.startswith(SQLITE_PREFIX) else None
-
-
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """Environment variables set for a block, then put back: MLflow reads its settings from them."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def connect(uri: str) -> MlflowClient:
@@ -131,56 +107,6 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
         text = value if isinstance(value, str) else json.dumps(value, default=str)
         flat[name] = text if len(text) <= _PARAM_VALUE_LIMIT else text[: _PARAM_VALUE_LIMIT - 3] + "..."
     return flat
-
-
-class StepLogger:
-    """Per-step metrics of one run, sent in batches; a calibration loop's `on_step`.
-
-    Built from two strings so a Ray Train worker can rebuild it; call `flush` after the last step.
-    A store that stops answering never stops the training: the metrics stay pending (up to
-    `_MAX_PENDING`) and go with the next flush that gets through. What never does is still in the
-    run's report and checkpoint (its losses), and `darts-dist register RUN_DIR` logs it later.
-    """
-
-    def __init__(self, uri: str, run_id: str) -> None:
-        self.uri = uri
-        self.run_id = run_id
-        self._pending: list[Metric] = []
-        self._failing = False  # warned about the store already
-        self._unsent_steps = 0
-
-    def __getstate__(self) -> dict[str, str]:
-        return {"uri": self.uri, "run_id": self.run_id}
-
-    def __setstate__(self, state: dict[str, str]) -> None:
-        self.__init__(state["uri"], state["run_id"])
-
-    def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
-        now = int(time.time() * 1000)
-        self._pending += [Metric(key, float(value), now, step) for key, value in metrics.items()]
-        self._unsent_steps += 1
-        # While the store is down this tries again every _STEPS_PER_FLUSH steps, not every step.
-        if self._unsent_steps >= _STEPS_PER_FLUSH:
-            self._unsent_steps = 0
-            self.flush()
-
-    def flush(self) -> bool:
-        """Send the pending metrics; False (and they stay pending) when the store does not answer."""
-        start = 0
-        try:
-            for start in range(0, len(self._pending), _METRICS_PER_BATCH):
-                with environment(**_QUICK_REQUESTS):
-                    MlflowClient(tracking_uri=self.uri).log_batch(
-                        self.run_id, metrics=self._pending[start: start + _METRICS_PER_BATCH])
-        except STORE_ERRORS as error:  # the store failed; training goes on
-            self._pending = self._pending[start:][-_MAX_PENDING:]
-            if not self._failing:
-                logger.warning("MLflow store %s did not take step metrics (%s); keeping them and going on",
-                               self.uri, str(error).splitlines()[0][:200] if str(error) else type(error).__name__)
-            self._failing = True
-            return False
-        self._pending, self._failing = [], False
-        return True
 
 
 def reachable(uri: str) -> bool:
@@ -277,14 +203,14 @@ def session(settings: TrackingSection, name: str, command: str) -> Iterator[Trac
     tracking = Tracking(client=client, uri=uri, experiment_id=experiment, run_id=run.info.run_id)
     status = "FAILED"
     try:
-        with environment(**_QUICK_REQUESTS):
+        with environment(**QUICK_REQUESTS):
             yield tracking
         status = "FINISHED"
     finally:
         # A session whose store went away leaves its runs open: `darts-dist register` closes them later.
         for run_id in [] if tracking.offline else [*tracking.stages.values(), tracking.run_id]:
             try:
-                with environment(**_QUICK_REQUESTS):
+                with environment(**QUICK_REQUESTS):
                     client.set_terminated(run_id, status)
             except STORE_ERRORS:
                 # After a failure, that failure is the error to report, not a store gone with it.
