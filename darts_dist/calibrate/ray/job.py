@@ -39,13 +39,13 @@ from darts_dist.calibrate.coefficients import (
 from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.loop import CalibrationResult, StepCallback
 from darts_dist.calibrate.outcome import CalibrationOutcome, router_tasks, token_weights
+from darts_dist.calibrate.ray.checkpoint_state import PROGRESS_FILE
 from darts_dist.calibrate.ray.stream import ExactlyOnceSplit, expert_stream
 from darts_dist.calibrate.ray.train_entry import train_loop_per_worker
 from darts_dist.calibrate.ray.window import StreamWindow, window_tokens
 from darts_dist.calibrate.ray.worker import (
     CHECKPOINT_CORRECTIONS,
     FAIL_WORKER_AT_STEP,
-    PROGRESS_FILE,
 )
 from darts_dist.config import CORRECTIONS_FILE, CalibrationSection, ClusterSection, RunConfig, updated
 from darts_dist.core import DartsCorrections, TokenizedSet, load_corrections, mask_positions, parse_layer
@@ -286,7 +286,7 @@ def run_calibration_job(plan: JobPlan) -> JobResult:
 
 
 def _train_loop_config(plan: JobPlan, cpu: tuple[str, int], window: ray.actor.ActorHandle) -> dict[str, object]:
-    """What every training worker gets (`worker.train_loop_per_worker`)."""
+    """What every training worker gets (`worker.train_worker`)."""
     settings, cluster = plan.settings, plan.cluster
     return {
         "settings": settings,

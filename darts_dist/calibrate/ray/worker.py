@@ -1,7 +1,7 @@
 """The Ray Train calibration worker: the frozen merged model and its corrections (or the frozen base, the
 experts' task vectors and the merge coefficients), trained with DeepSpeed.
 
-`train_loop_per_worker` reads like single-process training: load the merged model, hook in the
+`train_worker` reads like single-process training: load the merged model, hook in the
 corrections, drain this worker's shard of every expert's stream into a feature store (each row's
 merged forward runs here once), then run the in-process reference's step schedule through a
 DeepSpeed engine, checkpointing what it trains (corrections, or coefficients) and the optimizer state
@@ -31,8 +31,9 @@ from torch import nn
 from darts_dist.calibrate.coefficients import CoefficientModule, read_task_vectors
 from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
+from darts_dist.calibrate.ray.checkpoint_state import PROGRESS_FILE, TrainState
 from darts_dist.calibrate.ray.feature_store import FeatureStore
-from darts_dist.calibrate.ray.stream import arrivals, stored_tokens, target_column, to_wire, token_column
+from darts_dist.calibrate.ray.stream import Batch, stored_tokens, target_column, to_wire, token_column
 from darts_dist.config import CalibrationSection
 from darts_dist.core import (
     DartsCorrections,
@@ -54,7 +55,6 @@ from darts_dist.sources.models import load_causal_lm, model_compute, model_dtype
 
 logger = logging.getLogger(__name__)
 ENGINE_TAG = "engine"  # DeepSpeed's folder inside each checkpoint
-PROGRESS_FILE = "progress.json"  # step, losses, timings (rank 0)
 CHECKPOINT_CORRECTIONS = "corrections.safetensors"  # the whole corrections, gathered (rank 0)
 FAIL_WORKER_AT_STEP = "DARTS_DIST_FAIL_WORKER_AT_STEP"  # read by the driver, which passes it on
 
@@ -141,15 +141,6 @@ def deepspeed_config(settings: CalibrationSection, zero_stage: int) -> dict[str,
         },
         "steps_per_print": 1 << 30,
     }
-
-
-@dataclass
-class TrainState:
-    """What a checkpoint restores: steps done and their losses; `resumed_from` is None on a fresh start."""
-
-    step: int = 0
-    losses: list[float] = field(default_factory=list)
-    resumed_from: int | None = None
 
 
 class Progress:
@@ -328,15 +319,6 @@ def task_features(store: FeatureStore, task: str, index: int, settings: Calibrat
     )
 
 
-def read_state(checkpoint: ray.train.Checkpoint | None) -> TrainState:
-    """Steps done and their losses, as the checkpoint to resume from holds them; a fresh state without one."""
-    if checkpoint is None:
-        return TrainState()
-    with checkpoint.as_directory() as folder:
-        progress = json.loads((Path(folder) / PROGRESS_FILE).read_text())
-    return TrainState(step=progress["step"], losses=progress["losses"], resumed_from=progress["step"])
-
-
 def training_module(config: Mapping[str, object], tasks: Sequence[str], device: torch.device) -> nn.Module:
     """What the worker trains: the merged model (frozen) with fresh corrections, or, for the merge coefficients'
     fit (config["fit"] == "coefficients"), the base (frozen) with the experts' task vectors and coefficients."""
@@ -472,23 +454,20 @@ def role_memory(worker: PeakMemory, expert_memory: Mapping[str, int]) -> dict[st
     return {"device": worker.device.type, "workers": [peak for peak, _ in gathered], "experts": experts}
 
 
-def train_loop_per_worker(config: dict) -> None:
-    """One calibration worker; Ray Train runs it on every rank, and again from the last checkpoint after a failure."""
+def train_worker(config: dict, checkpoint: ray.train.Checkpoint | None, state: TrainState,
+                 stream: Iterator[tuple[str, Batch]] | None, started: float) -> None:
+    """One calibration worker (`train_entry.train_loop_per_worker` started its experts' `stream`, None when the
+    run is finished): Ray Train runs it on every rank, and again from the last checkpoint after a failure."""
     settings: CalibrationSection = config["settings"]
     tasks: list[str] = config["tasks"]
     rank = ray.train.get_context().get_world_rank()
     log = Progress(enabled=rank == 0)
-    started = time.time()
     show_progress_logs()  # this worker's own process: its lines reach the driver's console through Ray
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    checkpoint = ray.train.get_checkpoint()
-    state = read_state(checkpoint)
-    if state.step >= settings.steps:
+    if stream is None:
         log(f"this run finished at step {state.step}: nothing left to do", force=True)
         return
     memory = PeakMemory(worker_device())  # this rank's work, from before it loads the merged model
-    # The experts start streaming now, loading their models while this worker loads the merged one.
-    stream = arrivals({task: ray.train.get_dataset_shard(task) for task in tasks}, settings.batch_size)
     engine = build_engine(config, tasks, checkpoint)
     if state.resumed_from is not None:
         log(f"resuming from the checkpoint at step {state.step}", force=True)
