@@ -11,6 +11,11 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray Train's controller polls its workers every 2 s (so a run's start and end each wait up to a poll) and starts a
+# preemption watcher per run, a process of its own: about 4 s of every test's Ray run on 2 cores. Users keep Ray's
+# defaults; no test here is about either.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 # Forced, not defaulted: tests must never read or fill the user's cache. Removed when the session ends: the
 # thin 4096-wide family alone is 5.4 GB.
 _TEST_CACHE = tempfile.mkdtemp(prefix="darts-dist-test-cache-")
