@@ -378,11 +378,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from darts_dist.serve.runner import run_foreground
     from darts_dist.serve.model import resolve_model, serve_settings
 
-    api_key = resolve_api_key(args.api_key, args.api_key_file)
     source, config = resolve_model(args.model, tracking=args.tracking_uri, corrections=args.corrections,
                                    router=args.router, name=args.name)
     settings = serve_settings(config, args.config, host=args.host, port=args.port, dtype=args.dtype)
     check_serving(source, config, settings, os.environ.get("RAY_ADDRESS"))
+    api_key = resolve_api_key(args.api_key, args.api_key_file, settings.api_key_file)
     run_foreground(source, settings, api_key, say=console.print)
 
 
@@ -392,7 +392,6 @@ def cmd_serve_deploy(args: argparse.Namespace) -> None:
     from darts_dist.serve.runner import follows, start
     from darts_dist.serve.model import resolve_model, serve_settings
 
-    api_key = resolve_api_key(args.api_key, args.api_key_file)
     address = args.address or os.environ.get("RAY_ADDRESS")
     if not address:
         raise DartsError("serve-deploy deploys onto a running Ray cluster, and none was named",
@@ -402,6 +401,7 @@ def cmd_serve_deploy(args: argparse.Namespace) -> None:
                                    router=args.router, name=args.name)
     settings = serve_settings(config, args.config, host=args.host, port=args.port, dtype=args.dtype)
     check_serving(source, config, settings, address)
+    api_key = resolve_api_key(args.api_key, args.api_key_file, settings.api_key_file)
     init_ray(address=address)
     url = start(source, settings, api_key, detached=True)
     console.print(f"deployed {source.name} at {url}; it keeps serving on the cluster after this command "
@@ -508,7 +508,8 @@ def _serving_commands(command: Command) -> None:
     for p in (serve, deploy):
         p.add_argument("model", metavar="MODEL_URI",
                        help="models:/NAME@ALIAS, models:/NAME/VERSION, a run folder, or a merged model folder")
-        p.add_argument("--host", default=None, help="address to bind (default: serve.host, 127.0.0.1)")
+        p.add_argument("--host", default=None, help="address to bind (default: serve.host if it is a loopback "
+                       "address, else 127.0.0.1: only this flag binds beyond this machine)")
         p.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
         p.add_argument("--dtype", choices=DTYPES, default=None,
                        help="the replicas' compute dtype (auto: bfloat16 on GPUs, float32 on CPUs; default: serve.dtype, "

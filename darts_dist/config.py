@@ -411,8 +411,13 @@ class CaptureSection(_Section):
 class ServeSection(_Section):
     """The Ray Serve app that exposes the corrected model."""
 
+    # Beyond loopback only when `--host` says so on the command line: a host from here (registered with the model,
+    # or a --config YAML) binds 127.0.0.1 instead, with a warning.
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # A file on the serving machine whose first line is the API key (after --api-key-file, --api-key and
+    # DARTS_DIST_API_KEY); the path is registered with the model, never the key.
+    api_key_file: Path | None = None
     num_replicas: PositiveInt = 1
     # Ray Serve's autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...); when set it
     # replaces num_replicas.

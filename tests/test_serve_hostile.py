@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import yaml
 from hypothesis import HealthCheck, example, given, settings
@@ -45,14 +46,22 @@ def server(tiny_family, tmp_path_factory: pytest.TempPathFactory):
     (folder / "key").write_text(KEY + "\n")
     (folder / "serve.yaml").write_text(yaml.safe_dump({
         "sources": {"base": "unused", "experts": [{"task": "code", "path": "unused"}]},
-        "serve": {"max_batch_size": BATCH, "max_waiting_sequences": WAITING, "drain_timeout_s": DRAIN_S,
-                  "max_tokens_limit": LIMIT}}))
+        # Every interface asked for by a file, as a registered config could: only --host binds beyond loopback.
+        "serve": {"host": "0.0.0.0", "max_batch_size": BATCH, "max_waiting_sequences": WAITING,
+                  "drain_timeout_s": DRAIN_S, "max_tokens_limit": LIMIT}}))
     port = free_port()
     args = [str(tiny_family.base), "--corrections", str(corrections), "--name", NAME, "--config",
             str(folder / "serve.yaml"), "--api-key-file", str(folder / "key")]
     with serve_process(args, folder, port) as process:
         yield SimpleNamespace(port=port, process=process, log=folder / "serve.log",
                               tokenizer=load_tokenizer(tiny_family.base))
+
+
+def test_a_config_asking_for_every_interface_binds_loopback_and_says_why(server) -> None:
+    listening = {conn.laddr.ip for conn in psutil.net_connections("tcp")
+                 if conn.status == psutil.CONN_LISTEN and conn.laddr.port == server.port}
+    assert listening == {"127.0.0.1"}
+    assert "serve.host 0.0.0.0 comes from a config, not the command line: binding 127.0.0.1" in server.log.read_text()
 
 
 def call(server, method: str, path: str, body: bytes | dict | None = None, key: str | None = KEY,

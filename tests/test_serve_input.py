@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from darts_dist.config import ServeSection
+from darts_dist.config import ServeSection, parse_config
 from darts_dist.errors import DartsError
 from darts_dist.serve.access import API_KEY_ENV, resolve_api_key, warn_if_exposed
+from darts_dist.serve.model import serve_settings
 from darts_dist.serve.openai_api import ApiError, ChatRequest, CompletionRequest, internal_error, parse
 from darts_dist.sources.models import (BUNDLED_TOKENIZER, chat_prompt, encode_prompt, encode_user_chat,
                                        encode_user_prompt, load_tokenizer)
@@ -129,6 +131,47 @@ def test_the_api_key_comes_from_a_file_a_flag_or_the_environment(tmp_path: Path,
             resolve_api_key(file=bad)
     with pytest.raises(DartsError, match="both"):
         resolve_api_key(flag="a", file=key_file)
+    # Surrounding whitespace is not part of a key; the config's file comes last, after the environment.
+    assert resolve_api_key(flag=" from-flag\n") == "from-flag"
+    configured = tmp_path / "configured"
+    configured.write_text("from-config\n")
+    assert resolve_api_key(configured_file=configured) == "from-env"
+    monkeypatch.setenv(API_KEY_ENV, " from-env ")
+    assert resolve_api_key() == "from-env"
+    monkeypatch.delenv(API_KEY_ENV)
+    assert resolve_api_key(configured_file=configured) == "from-config"
+    assert resolve_api_key(file=key_file, configured_file=configured) == "from-file"
+    with pytest.raises(DartsError, match="serve.api_key_file"):
+        resolve_api_key(configured_file=tmp_path / "missing")
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\t\n"])
+def test_a_blank_key_is_refused_not_taken_for_no_key(blank: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(API_KEY_ENV, blank)
+    with pytest.raises(DartsError, match=f"{API_KEY_ENV} is set but blank") as error:
+        resolve_api_key()
+    assert f"unset {API_KEY_ENV}" in error.value.fix
+    monkeypatch.delenv(API_KEY_ENV)
+    with pytest.raises(DartsError, match="--api-key is set but blank"):
+        resolve_api_key(flag=blank)
+
+
+def test_only_the_command_line_binds_beyond_loopback(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A registered (run) config or a --config YAML asking for 0.0.0.0 binds 127.0.0.1, saying why; --host binds."""
+    sources = {"base": "b", "experts": [{"task": "code", "path": "e"}]}
+    registered = parse_config({"sources": sources, "serve": {"host": "0.0.0.0", "port": 9000}})
+    override = tmp_path / "serve.yaml"
+    override.write_text(yaml.safe_dump({"sources": sources, "serve": {"host": "10.0.0.7"}}))
+    with caplog.at_level(logging.WARNING, logger="darts_dist"):
+        assert serve_settings(registered).host == "127.0.0.1"
+        assert serve_settings(registered).port == 9000  # the rest of the registered section still holds
+        assert "serve.host 0.0.0.0 comes from a config" in caplog.text and "--host 0.0.0.0" in caplog.text
+        assert serve_settings(None, override).host == "127.0.0.1"
+        caplog.clear()
+        assert serve_settings(registered, host="0.0.0.0").host == "0.0.0.0"
+        assert serve_settings(registered, override, host="10.0.0.7").host == "10.0.0.7"
+        assert serve_settings(parse_config({"sources": sources, "serve": {"host": "::1"}})).host == "::1"
+    assert not caplog.records
 
 
 def test_serving_beyond_loopback_without_a_key_warns(caplog: pytest.LogCaptureFixture) -> None:

@@ -53,8 +53,9 @@ def app_builder(args: dict[str, Any]) -> Application:
         raise DartsError("the Serve application's args lack 'model'", "add args: {model: models:/NAME@ALIAS}")
     source, config = resolve_model(args.pop("model"), tracking=args.pop("tracking_uri", None),
                                    name=args.pop("name", None))
-    api_key = resolve_api_key(args.pop("api_key", None), args.pop("api_key_file", None))
+    flag, file = args.pop("api_key", None), args.pop("api_key_file", None)
     settings = serve_settings(config, **args)
+    api_key = resolve_api_key(flag, file, settings.api_key_file)
     check_capture_folder(settings)
     stop_follower()  # a follower left by `serve-deploy` must not move this app; this one pins its version
     return build_app(source, settings, api_key)

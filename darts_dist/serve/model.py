@@ -12,6 +12,7 @@ from darts_dist.config import RunConfig, ServeSection, TrackingSection, load_con
 from darts_dist.core import ROUTED
 from darts_dist.errors import DartsError
 from darts_dist.run_folder import read_run_folder
+from darts_dist.serve.access import bound_host
 from darts_dist.tracking.registry import (
     ModelFiles,
     fetch_model,
@@ -103,7 +104,8 @@ def resolve_model(
 
 
 def serve_settings(config: RunConfig | None, override: Path | None = None, **values: Any) -> ServeSection:
-    """The serve section: defaults < the model's run config < a --config YAML < explicit values (None: unset).
+    """The serve section: defaults < the model's run config < a --config YAML < explicit values (None: unset); a
+    host beyond loopback only as an explicit value (`access.bound_host`).
 
     `serve.dtype: auto` becomes the model's run's compute dtype (`calibration.dtype`; the --config YAML's where the
     model has no run config), so the replicas compute as the run evaluated the model. The capture folder becomes
@@ -112,6 +114,7 @@ def serve_settings(config: RunConfig | None, override: Path | None = None, **val
     given = load_config(override) if override is not None else config
     settings = given.serve if given is not None else ServeSection()
     settings = updated(settings, **{key: value for key, value in values.items() if value is not None})
+    settings = updated(settings, host=bound_host(settings.host, values.get("host")))
     run = config or given
     if values.get("dtype") is None and run is not None:  # an explicit --dtype auto stays auto
         settings = served_by(settings, run)
