@@ -14,7 +14,9 @@ API_KEY_ENV = "DARTS_DIST_API_KEY"
 LOOPBACK = "127.0.0.1"
 
 
-def resolve_api_key(flag: str | None = None, file: Path | None = None, configured_file: Path | None = None) -> str | None:
+def resolve_api_key(
+    flag: str | None = None, file: Path | None = None, configured_file: Path | None = None
+) -> str | None:
     """The key clients must send: `--api-key-file` (its first line), else `--api-key` (which every user of the
     machine can read in `ps`: it works, with a warning), else `DARTS_DIST_API_KEY`, else the file the config names
     (`serve.api_key_file`); None: no key. A key given but blank (an empty or whitespace flag, variable or first line)
