@@ -2,7 +2,8 @@
 (conftest's `ray_cluster`), so Ray hands out GPU ids exactly as on a 4-GPU node while every model runs on the CPU.
 One calibration of one-GPU roles (2 experts and 2 training ranks) takes the 4 distinct GPUs, the ranks never share
 one, a run asking for 5 is refused in seconds, the driver loads no model weights, and serving replicas take a GPU
-each."""
+each. The same calibration is the whole job in the GPU's dtype: RegMean's Gram actors, ZeRO-3 over two ranks, the
+router, the evaluation actors and the registered model all compute in bf16 (ZeRO-0 in bf16 is test_gpu_check's)."""
 
 from __future__ import annotations
 
@@ -20,25 +21,27 @@ from transformers import PreTrainedModel
 from darts_dist.cli import main
 from darts_dist.config import ServeSection, parse_config
 from darts_dist.serve.model import resolve_model
+from darts_dist.sources.models import model_compute
 
 pytestmark = pytest.mark.slow  # Ray jobs on the session's cluster
 
 TASKS = ("code", "math", "instruct")
 
 
-def gpu_config(tiny_family, out: Path, tasks=TASKS, workers: int = 1) -> Path:
-    """The tiny family on the 7B example's cluster settings: a GPU per expert and per worker, ZeRO-0, evaluation
-    on Ray without the base (4 one-GPU actors)."""
+def gpu_config(tiny_family, out: Path, tasks=TASKS, workers: int = 1, zero_stage: int = 0,
+               merge: str = "task_arithmetic") -> Path:
+    """The tiny family on the 7B examples' layout: a GPU per expert and per worker, evaluation on Ray without the
+    base (4 one-GPU actors), bf16 everywhere."""
     config = {
         "name": f"gpus-{len(tasks)}x{workers}",
         "output_dir": str(out),
         "sources": {"base": str(tiny_family.base), "experts": [
             {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": f"demo:{t}", "heldout": f"demo:{t}"}}
             for t in tasks]},
-        "merge": {"method": "task_arithmetic", "parameters": {"weight": 0.5}},
-        "calibration": {"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 24, "batch_size": 4,
-                        "steps": 4, "device": "auto", "dtype": "bfloat16"},
-        "cluster": {"use_gpu": True, "num_workers": workers, "zero_stage": 0, "resource_wait_s": 60},
+        "merge": {"method": merge, **({"parameters": {"weight": 0.5}} if merge == "task_arithmetic" else {})},
+        "calibration": {"rank": 4, "max_positions": 64, "num_samples": 8, "max_length": 64, "batch_size": 4,
+                        "steps": 12, "learning_rate": 0.01, "device": "auto", "dtype": "bfloat16"},
+        "cluster": {"use_gpu": True, "num_workers": workers, "zero_stage": zero_stage, "resource_wait_s": 60},
         "evaluation": {"score_limit": 1, "max_new_tokens": 4, "score_base": False},
         "tracking": {"uri": f"sqlite:///{out}/mlflow.db"},
     }
@@ -74,11 +77,12 @@ GPU_TASKS = ("code", "math")
 
 @pytest.fixture(scope="module")
 def calibrated(ray_cluster, tiny_family, tmp_path_factory):
-    """The module's one calibration (each costs about a minute here): two experts and two training ranks, the 4
-    GPUs' worth of one-GPU roles (the 7B example's: a GPU per expert and per worker); its config, report, and the
-    models the driver loaded meanwhile."""
+    """The module's one calibration (each costs about a minute here): two experts and two training ranks at ZeRO-3,
+    the 4 GPUs' worth of one-GPU roles (the 7B examples': a GPU per expert and per worker), on RegMean's merge, in
+    bf16; its config, report, and the models the driver loaded meanwhile."""
     out = tmp_path_factory.mktemp("gpus")
-    config, report = gpu_config(tiny_family, out, tasks=GPU_TASKS, workers=2), out / "report.json"
+    config = gpu_config(tiny_family, out, tasks=GPU_TASKS, workers=2, zero_stage=3, merge="regmean")
+    report = out / "report.json"
     with pytest.MonkeyPatch.context() as patch:
         loads = count_driver_loads(patch)
         assert main(["calibrate", str(config), "--report", str(report)]) == 0
@@ -106,8 +110,15 @@ def test_one_gpu_roles_take_distinct_gpus_two_ranks_never_share_one_and_the_driv
     assert memory["device"] == "cpu" and len(memory["workers"]) == 2 and sorted(memory["experts"]) == sorted(GPU_TASKS)
     assert all(peak > 0 for peak in [*memory["workers"], *memory["experts"].values()])
     assert sorted(result["evaluation_memory"]) == sorted(["merged", *(f"expert {t}" for t in GPU_TASKS)])
-    # The config's bfloat16 held in every role, on CPUs as it would on GPUs.
-    assert set(result["compute"].values()) == {"cpu bfloat16"} and "registration check" in result["compute"]
+    # The config's bfloat16 held in every role that computed, on CPUs as it would on GPUs, and the job learned.
+    assert set(result["compute"].values()) == {"cpu bfloat16"}, result["compute"]
+    assert {"Gram actor (math)", "calibration worker", "router", "evaluation actor (merged)",
+            "registration check"} <= set(result["compute"])
+    assert result["config"]["calibration"]["dtype"] == "bfloat16" and result["config"]["cluster"]["zero_stage"] == 3
+    assert result["calibration"]["final_loss"] < result["calibration"]["first_loss"]
+    # Held out, the bf16 corrections remove most of the merge's bias (0.70 measured; the NLL moves by less than
+    # bf16's rounding at this size, so the bias is the measure here).
+    assert result["variants"]["darts"]["overall"]["bias_reduction"] > 0.4
 
 
 def test_evaluate_and_register_load_no_model_on_the_driver(calibrated, monkeypatch) -> None:
@@ -130,6 +141,15 @@ def test_evaluate_and_register_load_no_model_on_the_driver(calibrated, monkeypat
     assert main(["register", str(report), "--report", str(registered)]) == 0
     assert json.loads(registered.read_text())["tracking"]["version"] == "2"
     assert driver_loads == []
+    # The registered model computes as the run did: its pyfunc loads and answers in bf16.
+    import mlflow
+    import pandas as pd
+
+    with mlflow.tracking._tracking_service.utils._use_tracking_uri(result["tracking"]["uri"]):  # noqa: SLF001
+        champion = mlflow.pyfunc.load_model("models:/darts-dist-gpus-2x2@champion")
+    assert model_compute(champion.unwrap_python_model().lm.model) == "cpu bfloat16"
+    answer = champion.predict(pd.DataFrame({"prompt": ["def f(x):"], "task": ["code"]}), params={"max_new_tokens": 3})
+    assert answer["completion_tokens"].tolist()[0] >= 1
 
 
 def test_a_run_asking_for_five_gpus_is_refused_in_seconds(ray_cluster, tiny_family, tmp_path, capsys) -> None:
