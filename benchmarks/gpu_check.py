@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import contextlib
 import json
 import multiprocessing
@@ -46,22 +47,24 @@ SMALL = FamilyShape(hidden_size=4096, num_layers=2, intermediate_size=1024, num_
                     vocab_size=2048, max_positions=4096, tie_embeddings=False, dtype="bfloat16")
 
 
-def family(small: bool) -> TinyFamily:
-    """The thin (or small) family in bf16, cached; its math expert carries one added token."""
+def family(small: bool, layers: int | None) -> TinyFamily:
+    """The thin (or small) family in bf16, cached, with `layers` decoder layers (None: the shape's two); its math
+    expert carries one added token."""
     shape = SMALL if small else THIN_SHAPES["llama2-7b"]
-    name = "gpu-check-small" if small else "gpu-check-llama2-7b"
+    shape = dataclasses.replace(shape, num_layers=layers or shape.num_layers)
+    name = f"gpu-check-{'small' if small else 'llama2-7b'}-{shape.num_layers}l"
     return make_tiny_family(cache_root() / "thin-family" / name, tasks=TASKS, shape=shape, added_tokens={"math": 1})
 
 
-def built_family(small: bool) -> TinyFamily:
+def built_family(small: bool, layers: int | None) -> TinyFamily:
     """`family`, made (on first use) in a process of its own: this process's peak memory is the driver's line."""
     context = multiprocessing.get_context("spawn")
-    maker = context.Process(target=family, args=(small,))
+    maker = context.Process(target=family, args=(small, layers))
     maker.start()
     maker.join()
     if maker.exitcode != 0:
         raise SystemExit(f"making the family failed (exit code {maker.exitcode})")
-    return family(small)  # cached now
+    return family(small, layers)  # cached now
 
 
 def check_config(models: TinyFamily, out: Path, gpu: bool, args: argparse.Namespace) -> Path:
@@ -226,6 +229,7 @@ def main() -> None:
     p.add_argument("--heldout", type=int, default=None, help="held-out rows per task (200 on a GPU, 12 small)")
     p.add_argument("--problems", type=int, default=None, help="task-score problems per task (8 on a GPU, 2 small)")
     p.add_argument("--requests", type=int, default=None, help="concurrent served completions (16 on a GPU, 4 small)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers of the family (default 2: the shape's)")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     small = args.small or not gpu
@@ -236,7 +240,7 @@ def main() -> None:
     device = torch.device("cuda" if gpu else "cpu")
     started = time.perf_counter()
     note(f"gpu_check on {torch.cuda.get_device_name(0) if gpu else cpu_name()}, 4096 wide{', narrow' if small else ''}")
-    models = built_family(small)
+    models = built_family(small, args.layers)
     out = cache_root() / "benchmarks" / "gpu-check" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
     path = check_config(models, out, gpu, args)
