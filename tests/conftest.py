@@ -23,7 +23,7 @@ atexit.register(shutil.rmtree, _TEST_CACHE, ignore_errors=True)
 os.environ["DARTS_DIST_CACHE"] = _TEST_CACHE
 # Commands track to MLFLOW_TRACKING_URI first: one throwaway sqlite store (artifacts next to it),
 # never an mlflow.db in the folder the tests run from.
-os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_TEST_CACHE}/mlflow.db"
+_SESSION_TRACKING_URI = os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_TEST_CACHE}/mlflow.db"
 
 import pytest  # noqa: E402
 
@@ -42,6 +42,17 @@ def tiny_family(tmp_path_factory: pytest.TempPathFactory) -> TinyFamily:
 @pytest.fixture
 def tiny_tokenizer():
     return build_tiny_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def tracking_store_kept():
+    """Every test leaves MLFLOW_TRACKING_URI as the session set it: one that unsets it (MLflow's own
+    `_use_tracking_uri` does, restoring a process-wide URI that was never set) sends every later command's runs to
+    ./mlflow.db in the folder the tests run from."""
+    yield
+    assert os.environ.get("MLFLOW_TRACKING_URI") == _SESSION_TRACKING_URI, (
+        f"this test left MLFLOW_TRACKING_URI={os.environ.get('MLFLOW_TRACKING_URI')!r}: set it for a block with "
+        "darts_dist.tracking.store.environment or monkeypatch.setenv")
 
 
 FAKE_GPUS = 4

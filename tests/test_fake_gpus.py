@@ -145,7 +145,11 @@ def test_evaluate_and_register_load_no_model_on_the_driver(calibrated, monkeypat
     import mlflow
     import pandas as pd
 
-    with mlflow.tracking._tracking_service.utils._use_tracking_uri(result["tracking"]["uri"]):  # noqa: SLF001
+    from darts_dist.tracking.store import environment
+
+    # The run's store through the environment, put back after (MLflow's own _use_tracking_uri unsets the variable
+    # when it restores a process-wide URI that was never set: every later command would track to ./mlflow.db).
+    with environment(MLFLOW_TRACKING_URI=result["tracking"]["uri"]):
         champion = mlflow.pyfunc.load_model("models:/darts-dist-gpus-2x2@champion")
     assert model_compute(champion.unwrap_python_model().lm.model) == "cpu bfloat16"
     answer = champion.predict(pd.DataFrame({"prompt": ["def f(x):"], "task": ["code"]}), params={"max_new_tokens": 3})
