@@ -5,6 +5,7 @@ darts-dist does; the correction alone, put on a merged model; lm-eval's own `hf`
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -272,5 +273,40 @@ def test_bad_input_is_refused_with_nothing_written(run_dir: Path, tmp_path: Path
     shutil.copytree(run_dir, broken)
     (broken / ROUTER_FILE).write_bytes(b"not safetensors")
     _refused(capsys, tmp_path, str(broken), "--out", str(tmp_path / "out"), expected="router")
-    assert main(["export", str(run_dir), "--out", str(taken), "--overwrite"]) == 0
-    assert (taken / "config.json").is_file() and not (taken / "keep.txt").exists()
+    # --overwrite replaces an earlier export only: never a folder of the user's, nor a file.
+    _refused(capsys, tmp_path, str(run_dir), "--out", str(taken), "--overwrite", expected="is not a darts-dist export")
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"]
+    _refused(capsys, tmp_path, str(run_dir), "--out", str(taken / "keep.txt"), "--overwrite",
+             expected="is not a darts-dist export")
+    earlier = tmp_path / "earlier"
+    assert main(["export", str(run_dir), "--out", str(earlier), "--format", "correction"]) == 0
+    (earlier / "stale.txt").write_text("from before")
+    assert main(["export", str(run_dir), "--out", str(earlier), "--overwrite"]) == 0
+    assert (earlier / "config.json").is_file() and not (earlier / "stale.txt").exists()
+    assert main(["export", str(run_dir), "--out", str(earlier), "--overwrite", "--format", "correction"]) == 0
+
+
+def test_only_known_files_of_the_merged_folder_go_along(run_dir: Path, tmp_path: Path, caplog) -> None:
+    """The folder is loaded with trust_remote_code=True: a Python file, a folder or a link that reached the merged
+    folder stays out of it (named in a warning); tokenizer, template, generation and recipe files go along."""
+    planted = tmp_path / "planted"
+    shutil.copytree(run_dir, planted)
+    merged = planted / "merged"
+    (merged / "modeling_llama.py").write_text("import os; os.system('echo owned')\n")
+    (merged / "extra").mkdir()
+    (merged / "extra" / "notes.txt").write_text("x")
+    (merged / "vocab.json").symlink_to("/etc/passwd")
+    (merged / "mergekit_config.yml").write_text("merge_method: task_arithmetic\n")
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="darts_dist.export.folders"):
+        logger = logging.getLogger("darts_dist")
+        logger.addHandler(caplog.handler)  # directly: darts-dist's lines do not propagate to the root logger
+        try:
+            assert main(["export", str(planted), "--out", str(out)]) == 0
+        finally:
+            logger.removeHandler(caplog.handler)
+    names = {path.name for path in out.iterdir()}
+    assert not {"extra", "vocab.json", "modeling_llama.py"} & names
+    assert {"mergekit_config.yml", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "generation_config.json", "modeling_darts.py", "config.json", "README.md"} <= names
+    assert f"left out of {out}: extra/, modeling_llama.py, vocab.json" in caplog.text

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any, Literal
@@ -25,9 +26,16 @@ FORMATS: tuple[str, ...] = ("hf", "correction")
 # The exported model's code: darts-dist's own modules, which import only torch, transformers, safetensors and
 # each other (relatively), so transformers' dynamic-module loader runs them from the folder.
 CORE = Path(modeling_darts.__file__).absolute().parent
-# Of the merged folder, what the export writes itself; every other file (tokenizer files, chat templates,
-# generation_config.json, the mergekit recipe) goes along as it is.
-REWRITTEN = ("config.json", "README.md", INDEX_FILE)
+# Of the merged folder, the files that go along as they are: tokenizers, chat templates, generation settings and
+# the merge recipe. Nothing else does: the folder is loaded with trust_remote_code=True, so a Python file (or any
+# file transformers may read) that reached the merged folder must not reach it; its code is darts-dist's own.
+# The weights, config.json, the index and README.md the export writes itself.
+KNOWN_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "vocab.json", "vocab.txt", "merges.txt", "spiece.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json", "mergekit_config.yml",
+})
+logger = logging.getLogger(__name__)
 
 
 def _check_loadable(merged_dir: Path) -> dict[str, Any]:
@@ -77,6 +85,34 @@ def _copy_corrections(source: ExportSource, folder: Path) -> None:
         shutil.copyfile(CORE / name, folder / name)
 
 
+def _copy_known_files(merged_dir: Path, folder: Path) -> list[str]:
+    """Copy the merged folder's KNOWN_FILES (regular files only) into `folder`; the names left out (the weights,
+    config.json, the index and README.md, which the export writes itself, are not among them)."""
+    written = {path.name for path in weight_files(merged_dir)} | {"config.json", "README.md", INDEX_FILE}
+    left = []
+    for path in sorted(merged_dir.iterdir()):
+        if path.name in written:
+            continue
+        if path.name in KNOWN_FILES and path.is_file() and not path.is_symlink():
+            shutil.copyfile(path, folder / path.name)
+        else:
+            left.append(path.name + ("/" if path.is_dir() else ""))
+    return left
+
+
+def is_export(folder: Path) -> bool:
+    """Whether `folder` is a folder `export` wrote (either format), or an empty one: what --overwrite may replace."""
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    if not any(folder.iterdir()) or (folder / SETTINGS_FILE).is_file():
+        return True
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "darts" in config and "DartsForCausalLM" in config.get("architectures", [])
+
+
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
@@ -96,6 +132,10 @@ def export_model(source: ExportSource, out: Path, fmt: Format = "hf", task: str 
     if any(p == out.absolute() or p.is_relative_to(out.absolute()) for p in inputs):
         raise DartsError(f"--out {out} holds the files being exported ({files.merged_dir})",
                          "pass an --out outside the run folder's merged model and corrections")
+    if out.exists() and not is_export(out):
+        raise DartsError(f"{out} exists and is not a darts-dist export (no config.json naming DartsForCausalLM, no "
+                         f"{SETTINGS_FILE}): --overwrite replaces only an earlier export",
+                         "pass another --out, or move that folder away yourself")
     config = _check_loadable(files.merged_dir)
     load_corrections_for(files.corrections, files.merged_dir)  # made for this merged model, or refused now
     settings = darts_settings(source, config["model_type"])
@@ -107,11 +147,10 @@ def export_model(source: ExportSource, out: Path, fmt: Format = "hf", task: str 
             (folder / "README.md").write_text(correction_card(source, settings, out.name))
             return out
         copy_weights(files.merged_dir, folder, dtype=None if dtype is None else getattr(torch, dtype))
-        weights = {path.name for path in weight_files(files.merged_dir)}
-        for path in files.merged_dir.iterdir():
-            if path.name in weights or path.name in REWRITTEN or path.name.startswith("."):
-                continue
-            (shutil.copytree if path.is_dir() else shutil.copyfile)(path, folder / path.name)
+        left = _copy_known_files(files.merged_dir, folder)
+        if left:
+            logger.warning("export: left out of %s: %s (only tokenizer, template, generation and recipe files go "
+                           "along; the folder's code is darts-dist's own)", out, ", ".join(left))
         if dtype is not None:  # transformers 5 reads `dtype`; an older file's `torch_dtype` would contradict it
             config = {**{k: v for k, v in config.items() if k != "torch_dtype"}, "dtype": dtype}
         _write_json(folder / "config.json", {**config, "architectures": ["DartsForCausalLM"], "auto_map": AUTO_MAP,
