@@ -30,6 +30,7 @@ from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import evaluation_tables
 from darts_dist.logs import VERBOSE_ENV, init_ray, quiet_library_progress, show_progress_logs
 from darts_dist.options import add_config_flags, apply_config_flags
+from darts_dist.redaction import redacted
 
 if TYPE_CHECKING:  # for annotations only: these modules import torch and MLflow, which take seconds
     from darts_dist.pipeline import RunState
@@ -628,9 +629,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.func(args)
     except DartsError as error:
-        errors.print(Text.assemble(("error: ", "bold red"), error.what), highlight=False)
+        errors.print(Text.assemble(("error: ", "bold red"), redacted(error.what)), highlight=False)
         if error.fix:
-            errors.print(Text.assemble(("fix: ", "bold"), error.fix), highlight=False)
+            errors.print(Text.assemble(("fix: ", "bold"), redacted(error.fix)), highlight=False)
         return 2
     return 0
 

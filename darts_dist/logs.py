@@ -19,6 +19,8 @@ from typing import Any, TextIO
 
 from tqdm.auto import tqdm
 
+from darts_dist.redaction import RedactingFilter
+
 _FORMAT = logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S")
 VERBOSE_ENV = "DARTS_DIST_VERBOSE"  # set (by --verbose): Ray's own lines on the console too
 # A line of a darts_dist logger, as _FORMAT writes it, possibly behind a terminal colour code.
@@ -33,6 +35,7 @@ def show_progress_logs(level: int = logging.INFO) -> None:
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(_FORMAT)
+        handler.addFilter(RedactingFilter())
         logger.addHandler(handler)
         # Once: not again through a root handler (a Ray worker's, a Ray job driver's), which doubled every line.
         logger.propagate = False

@@ -39,6 +39,7 @@ from darts_dist.merge.regmean import COMPUTED_ON
 from darts_dist.merge.stage import merge_stage
 from darts_dist.plan.check import driver_holds_evaluation
 from darts_dist.ray_cluster.placement import placement_tags
+from darts_dist.redaction import redacted_json
 from darts_dist.sources.output_cache import OutputCache
 from darts_dist.sources.references import ResolvedSources, resolve_sources
 from darts_dist.tracking.registry import (
@@ -64,9 +65,9 @@ logger = logging.getLogger(__name__)
 
 
 def write_report(path: Path, report: dict[str, object]) -> Path:
-    """JSON report, written atomically."""
+    """JSON report, written atomically, credentials redacted."""
     with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(report, indent=2, default=str))
+        tmp.write_text(json.dumps(redacted_json(report), indent=2, default=str))
     return Path(path).absolute()
 
 

@@ -29,6 +29,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from darts_dist.config import REGMEAN_RECORD, RunConfig, TrackingSection
 from darts_dist.core import BUCKET_LABELS, POSITION_BUCKETS
 from darts_dist.errors import DartsError
+from darts_dist.redaction import HIDDEN, redacted, redacted_json
 from darts_dist.sources.models import content_hash
 from darts_dist.tracking.step_logger import StepLogger
 from darts_dist.tracking.store import QUICK_REQUESTS, STORE_ERRORS, environment
@@ -52,6 +53,9 @@ MERGED_DIR_TAG = "darts.merged_dir"
 def tracking_uri(configured: str) -> str:
     """`MLFLOW_TRACKING_URI` if set, else the config's value; a relative sqlite file becomes absolute."""
     uri = os.environ.get(TRACKING_URI_ENV) or configured
+    if f"://{HIDDEN}@" in uri:
+        raise DartsError(f"the tracking URI {uri} is a record's, whose credentials were left out of it",
+                         f"set {TRACKING_URI_ENV} to the store's URI, credentials included")
     if uri.startswith(SQLITE_PREFIX):
         path = uri[len(SQLITE_PREFIX):]
         # sqlite:///mlflow.db names a file in the current folder; resolve it once, here, so
@@ -162,7 +166,7 @@ class Tracking:
 
     @_store_call
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
-        items = [Param(key, value) for key, value in flatten(params).items()]
+        items = [Param(key, redacted(value)) for key, value in flatten(params).items()]
         for start in range(0, len(items), _PARAMS_PER_BATCH):
             self.client.log_batch(run_id, params=items[start: start + _PARAMS_PER_BATCH])
 
@@ -179,7 +183,7 @@ class Tracking:
 
     @_store_call
     def set_tags(self, run_id: str, tags: Mapping[str, object]) -> None:
-        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.client.log_batch(run_id, tags=[RunTag(k, redacted(str(v))) for k, v in tags.items()])
 
     @_store_call
     def log_file(self, run_id: str, path: Path, folder: str | None = None) -> None:
@@ -187,7 +191,7 @@ class Tracking:
 
     @_store_call
     def log_json(self, run_id: str, data: Any, name: str) -> None:
-        self.client.log_text(run_id, json.dumps(data, indent=2, default=str), name)
+        self.client.log_text(run_id, json.dumps(redacted_json(data), indent=2, default=str), name)
 
     def step_logger(self, run_id: str) -> StepLogger:
         return StepLogger(self.uri, run_id)
