@@ -153,12 +153,15 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def cmd_recalibrate(args: argparse.Namespace) -> None:
-    from darts_dist.recalibrate import traffic_config
+    from darts_dist.recalibrate import remove_traffic_copies, traffic_config
 
     config, traffic = traffic_config(command_config(args.config, args), args.from_traffic)
-    console.print(f"recalibrating as {config.name} with captured prompts: "
-                  + ", ".join(f"{task} {traffic['used'][task]} of {count}" for task, count in traffic["captured"].items()))
-    _calibrate(config, args, "recalibrate", {"traffic": traffic})
+    try:
+        console.print(f"recalibrating as {config.name} with captured prompts: " + ", ".join(
+            f"{task} {traffic['used'][task]} of {count}" for task, count in traffic["captured"].items()))
+        _calibrate(config, args, "recalibrate", {"traffic": traffic})
+    finally:
+        remove_traffic_copies(config)
 
 
 def _print_products(report: dict) -> None:

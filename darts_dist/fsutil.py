@@ -40,8 +40,9 @@ def atomic_dir(final: Path, overwrite: bool = False) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(final: Path) -> Iterator[Path]:
-    """Yield a temporary sibling file path; move it onto `final` only if the block succeeds."""
+def atomic_file(final: Path, mode: int | None = None) -> Iterator[Path]:
+    """Yield a temporary sibling file path; move it onto `final` only if the block succeeds, with `mode` (None: what
+    open() would give it under the umask)."""
     final = Path(final).absolute()
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{final.name}.tmp-", dir=final.parent)
@@ -49,7 +50,7 @@ def atomic_file(final: Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        tmp.chmod(0o666 & ~umask())  # what open() would have given it: mkstemp makes it private
+        tmp.chmod(0o666 & ~umask() if mode is None else mode)  # mkstemp makes it private (0600)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -3,7 +3,8 @@
 The prompts a server captured (`serve.capture`) become calibration samples of the task whose correction
 answered them: each task's prompts go to a JSONL in a run folder of their own, which the run's config names as
 `data.traffic`, and calibration takes `calibration.traffic_share` of its samples from them (the most recent),
-the rest from the calibration file as before. The expert actors produce the targets as for any calibration;
+the rest from the calibration file as before. Those copies are private (0600 in a 0700 folder) and removed when
+the recalibration ends, finished or not. The expert actors produce the targets as for any calibration;
 the run is evaluated on the held-out sets and registered under the same model name, so the alias moves only
 under the registry's rule, and a server following the alias moves with it.
 """
@@ -11,6 +12,7 @@ under the registry's rule, and a server following the alias moves with it.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -22,6 +24,9 @@ from darts_dist.sources.data import traffic_count
 from darts_dist.tracking.registry import registered_model_name
 
 TRAFFIC_FOLDER = "traffic"  # in the recalibration's run folder: one JSONL of captured prompts per task
+# Users' prompts: readable by the service's user only, as the capture keeps them, and removed when the
+# recalibration ends (remove_traffic_copies).
+PRIVATE_FOLDER, PRIVATE_FILE = 0o700, 0o600
 
 
 def traffic_row(prompt: CapturedPrompt) -> dict:
@@ -48,12 +53,14 @@ def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = Non
                          "correction answered are not kept)", "serve this config's model with capture on first")
     name = f"{config.name}-traffic-{stamp or time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     folder = config.output_dir / name / TRAFFIC_FOLDER
+    folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
+    folder.chmod(PRIVATE_FOLDER)
     experts = []
     for expert in config.sources.experts:
         prompts = captured.get(expert.task)
         if prompts:
             path = folder / f"{expert.task}.jsonl"
-            with atomic_file(path) as tmp:
+            with atomic_file(path, mode=PRIVATE_FILE) as tmp:
                 tmp.write_text("".join(json.dumps(traffic_row(p)) + "\n" for p in prompts))
             expert = updated(expert, data=updated(expert.data, traffic=str(path)))
         experts.append(expert)
@@ -70,3 +77,9 @@ def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = Non
         "used": {task: traffic_count(config.calibration, len(prompts)) for task, prompts in captured.items()},
     }
     return recalibration, summary
+
+
+def remove_traffic_copies(config: RunConfig) -> None:
+    """Remove the recalibration's copies of the captured prompts (its run folder's TRAFFIC_FOLDER): the report says
+    how many it took; the capture folder keeps the prompts under its own size cap."""
+    shutil.rmtree(config.run_dir / TRAFFIC_FOLDER, ignore_errors=True)

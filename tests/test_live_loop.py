@@ -168,8 +168,13 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
         trained_on = []  # spied: each calibration's tokenised sets, by task
         real_sets = in_process.calibration_sets
 
+        copies: dict[str, str] = {}  # the recalibration's copies of the captured prompts, read while they exist
+
         def calibration_sets(*args, **kwargs):
             trained_on.append(real_sets(*args, **kwargs))
+            for path in (tmp_path / "runs").glob("live-traffic-*/traffic/*.jsonl"):
+                assert path.stat().st_mode & 0o777 == 0o600, path
+                copies[path.stem] = path.read_text()
             return trained_on[-1]
 
         monkeypatch.setattr(in_process, "calibration_sets", calibration_sets)
@@ -179,14 +184,15 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
         recalibration = registry.get_model_version(MODEL, "2")
         logged = registry.get_run(recalibration.run_id)
         assert "took 'champion'" in recalibration.tags["darts.alias_decision"]
-        # Version 2's traffic files (in the folder of the one recalibration so far) hold the captured prompts: those
-        # read back above first, oldest first, then any captured since; and its calibration trained on them: each
-        # task's set ends with the file's 4 most recent prompts (traffic_share 0.5 of num_samples 8), as served.
+        # Version 2's traffic files (in the folder of the one recalibration so far, removed when it ended) held the
+        # captured prompts: those read back above first, oldest first, then any captured since; and its calibration
+        # trained on them: each task's set ends with the file's 4 most recent prompts (traffic_share 0.5 of
+        # num_samples 8), as served.
         [run_dir] = (tmp_path / "runs").glob("live-traffic-*")
-        folder = run_dir / "traffic"
+        assert not (run_dir / "traffic").exists() and sorted(copies) == sorted(TASKS)
         tokenizer = load_tokenizer(tiny_family.base)
         for task in TASKS:
-            rows = [json.loads(line) for line in (folder / f"{task}.jsonl").read_text().splitlines()]
+            rows = [json.loads(line) for line in copies[task].splitlines()]
             assert [r["prompt"] for r in rows[:len(kept[task])]] == [p.prompt for p in kept[task]]
             assert {r["prompt"] for r in rows} <= set(PROMPTS["code"]) | set(PROMPTS["math"])
             calibration = trained_on[0][task]

@@ -187,6 +187,9 @@ def test_a_recalibration_config_points_each_task_at_its_captured_prompts(tiny_fa
     rows = [json.loads(line) for line in Path(code.data.traffic).read_text().splitlines()]
     assert rows == [{"prompt": f"def f{i}(x):", "chat": False} for i in range(3)]
     assert Path(code.data.traffic).parent == recalibration.run_dir / "traffic"
+    # Users' prompts: the service's user's alone, as the capture keeps them.
+    assert Path(code.data.traffic).stat().st_mode & 0o777 == 0o600
+    assert (recalibration.run_dir / "traffic").stat().st_mode & 0o777 == 0o700
     assert summary["captured"] == {"code": 3} and summary["used"] == {"code": 3}
     # The run's config, as logged, reads back with its traffic file.
     assert parse_config(recalibration.model_dump(mode="json")).sources.experts[0].data.traffic == code.data.traffic
