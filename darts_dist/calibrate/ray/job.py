@@ -39,7 +39,7 @@ from darts_dist.calibrate.coefficients import (
 from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.loop import CalibrationResult, StepCallback
 from darts_dist.calibrate.outcome import CalibrationOutcome, router_tasks, token_weights
-from darts_dist.calibrate.ray.checkpoint_state import PROGRESS_FILE
+from darts_dist.calibrate.ray.checkpoint_state import PROGRESS_FILE, verify_manifest
 from darts_dist.calibrate.ray.stream import ExactlyOnceSplit, expert_stream
 from darts_dist.calibrate.ray.train_entry import train_loop_per_worker
 from darts_dist.calibrate.ray.window import StreamWindow, window_tokens
@@ -355,6 +355,7 @@ def finished_checkpoint(plan: JobPlan) -> ray.train.Checkpoint | None:
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as folder:
+        verify_manifest(Path(folder))
         step = json.loads((Path(folder) / PROGRESS_FILE).read_text())["step"]
     return checkpoint if step >= plan.settings.steps else None
 

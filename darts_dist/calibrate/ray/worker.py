@@ -31,7 +31,7 @@ from torch import nn
 from darts_dist.calibrate.coefficients import CoefficientModule, read_task_vectors
 from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
-from darts_dist.calibrate.ray.checkpoint_state import PROGRESS_FILE, TrainState
+from darts_dist.calibrate.ray.checkpoint_state import PROGRESS_FILE, TrainState, write_manifest
 from darts_dist.calibrate.ray.feature_store import FeatureStore
 from darts_dist.calibrate.ray.stream import Batch, stored_tokens, target_column, to_wire, token_column
 from darts_dist.config import CalibrationSection
@@ -410,6 +410,7 @@ def save_checkpoint(
             (Path(folder) / PROGRESS_FILE).write_text(json.dumps(progress))
         for name, arrays in records.items():
             np.savez(Path(folder) / name, **arrays)
+        write_manifest(Path(folder), rank)  # last: every file this rank wrote
         metrics = {"step": state.step, "loss": state.losses[-1]}
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
