@@ -241,8 +241,9 @@ class CalibrationSection(_Section):
     learning_rate: float = Field(default=1e-3, gt=0.0)
     weight_decay: float = Field(default=0.0, ge=0.0)
     validation_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
-    # The share of num_samples taken from a task's captured traffic (data.traffic), its most recent prompts; the
-    # rest are the calibration file's first rows. Fewer captured prompts than the share: all of them.
+    # The share of num_samples taken from a task's captured traffic (data.traffic; `recalibrate` writes it with
+    # that many prompts spread evenly over the captured window); the rest are the calibration file's first rows.
+    # Fewer captured prompts than the share: all of them.
     traffic_share: Annotated[float, Flag("--traffic-share", "share of the calibration samples taken from the captured "
                                          "prompts", "X")] = Field(default=0.5, ge=0.0, le=1.0)
     seed: int = 0

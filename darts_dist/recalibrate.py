@@ -2,8 +2,8 @@
 
 The prompts a server captured (`serve.capture`) become calibration samples of the task whose correction
 answered them: each task's prompts go to a JSONL in a run folder of their own, which the run's config names as
-`data.traffic`, and calibration takes `calibration.traffic_share` of its samples from them (the most recent),
-the rest from the calibration file as before. Those copies are private (0600 in a 0700 folder) and removed when
+`data.traffic`, and calibration takes `calibration.traffic_share` of its samples from them (evenly spread over
+the captured window, `spread_over_time`), the rest from the calibration file as before. Those copies are private (0600 in a 0700 folder) and removed when
 the recalibration ends, finished or not. The expert actors produce the targets as for any calibration;
 the run is evaluated on the held-out sets and registered under the same model name, so the alias moves only
 under the registry's rule, and a server following the alias moves with it.
@@ -36,6 +36,13 @@ def traffic_row(prompt: CapturedPrompt) -> dict:
     return row if prompt.messages is None else {**row, "messages": prompt.messages}
 
 
+def spread_over_time(prompts: list[CapturedPrompt], count: int) -> list[CapturedPrompt]:
+    """`count` of the time-ordered `prompts`, evenly spaced over the whole captured window, oldest first: a burst of
+    requests just before a recalibration gets its share of the window, not every sample (the most recent would give
+    about num_samples × traffic_share requests naming one task the whole of its traffic samples)."""
+    return [prompts[(2 * i + 1) * len(prompts) // (2 * count)] for i in range(count)] if count else []
+
+
 def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = None) -> tuple[RunConfig, dict]:
     """The config of a recalibration of `config` from the prompts captured in `traffic_dir`, and what it takes
     from them.
@@ -60,8 +67,9 @@ def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = Non
         prompts = captured.get(expert.task)
         if prompts:
             path = folder / f"{expert.task}.jsonl"
+            taken = spread_over_time(prompts, traffic_count(config.calibration, len(prompts)))
             with atomic_file(path, mode=PRIVATE_FILE) as tmp:
-                tmp.write_text("".join(json.dumps(traffic_row(p)) + "\n" for p in prompts))
+                tmp.write_text("".join(json.dumps(traffic_row(p)) + "\n" for p in taken))
             expert = updated(expert, data=updated(expert.data, traffic=str(path)))
         experts.append(expert)
     recalibration = updated(

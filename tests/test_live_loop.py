@@ -23,6 +23,7 @@ from tiny_configs import family_config
 from darts_dist.calibrate import in_process
 from darts_dist.cli import main
 from darts_dist.errors import DartsError
+from darts_dist.recalibrate import spread_over_time, traffic_row
 from darts_dist.serve.capture import read_traffic
 from darts_dist.sources.models import load_tokenizer
 from mlflow import MlflowClient
@@ -184,17 +185,19 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
         recalibration = registry.get_model_version(MODEL, "2")
         logged = registry.get_run(recalibration.run_id)
         assert "took 'champion'" in recalibration.tags["darts.alias_decision"]
-        # Version 2's traffic files (in the folder of the one recalibration so far, removed when it ended) held the
-        # captured prompts: those read back above first, oldest first, then any captured since; and its calibration
-        # trained on them: each task's set ends with the file's 4 most recent prompts (traffic_share 0.5 of
-        # num_samples 8), as served.
+        # Version 2's traffic files (in the folder of the one recalibration so far, removed when it ended) held 4
+        # prompts a task (traffic_share 0.5 of num_samples 8) spread over what was captured then (the report's count:
+        # those read back above, oldest first, then any captured since); its calibration trained on them: each
+        # task's set ends with them, as served.
         [run_dir] = (tmp_path / "runs").glob("live-traffic-*")
         assert not (run_dir / "traffic").exists() and sorted(copies) == sorted(TASKS)
+        counted = json.loads((run_dir / "calibration.json").read_text())["traffic"]["captured"]
+        now = read_traffic(traffic, TASKS)
         tokenizer = load_tokenizer(tiny_family.base)
         for task in TASKS:
             rows = [json.loads(line) for line in copies[task].splitlines()]
-            assert [r["prompt"] for r in rows[:len(kept[task])]] == [p.prompt for p in kept[task]]
-            assert {r["prompt"] for r in rows} <= set(PROMPTS["code"]) | set(PROMPTS["math"])
+            assert now[task][:len(kept[task])] == kept[task] and counted[task] >= len(kept[task])
+            assert rows == [traffic_row(p) for p in spread_over_time(now[task][:counted[task]], 4)]
             calibration = trained_on[0][task]
             assert len(calibration) == 8
             for row, captured in zip(range(4, 8), rows[-4:]):

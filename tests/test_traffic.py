@@ -12,7 +12,7 @@ import yaml
 
 from darts_dist.cli import main
 from darts_dist.config import CalibrationSection, CaptureSection, load_config, parse_config
-from darts_dist.recalibrate import traffic_config, traffic_row
+from darts_dist.recalibrate import spread_over_time, traffic_config, traffic_row
 from darts_dist.serve.capture import CapturedPrompt, TrafficCapture, read_traffic, segment_task, segments
 from darts_dist.serve.model import serve_settings
 from darts_dist.sources.data import TaskFiles, served_ids, tokenized, traffic_rows
@@ -193,6 +193,17 @@ def test_a_recalibration_config_points_each_task_at_its_captured_prompts(tiny_fa
     assert summary["captured"] == {"code": 3} and summary["used"] == {"code": 3}
     # The run's config, as logged, reads back with its traffic file.
     assert parse_config(recalibration.model_dump(mode="json")).sources.experts[0].data.traffic == code.data.traffic
+
+
+def test_a_burst_before_a_recalibration_gets_its_share_of_the_window_not_every_sample() -> None:
+    """A recalibration takes its traffic samples spread over the captured window: 8 requests sent just before it,
+    after 100 others, give 1 of its 8 samples (taking the most recent would give them all 8)."""
+    window = [prompt(f"def user_{i}(x):", "code", float(i)) for i in range(100)]
+    burst = [prompt(f"def burst_{i}(x):", "code", 100.0 + i) for i in range(8)]
+    taken = spread_over_time(window + burst, 8)
+    assert [p.time for p in taken] == [6.0, 20.0, 33.0, 47.0, 60.0, 74.0, 87.0, 101.0]  # evenly, oldest first
+    assert sum(p in burst for p in taken) == 1
+    assert spread_over_time(window[:3], 3) == window[:3] and spread_over_time(window, 0) == []
 
 
 def test_recalibrate_refuses_what_it_cannot_use(tiny_family, tmp_path: Path, capsys) -> None:

@@ -79,8 +79,9 @@ def tokenized(
     """A task's calibration, validation or held-out set, tokenised with the base's tokenizer and cut to
     `max_length`: what calibration trains on and evaluation measures.
 
-    With captured traffic (`files.traffic`), the calibration split is its most recent prompts, up to
-    `traffic_share` of `num_samples`, after the calibration file's first rows for the rest.
+    With captured traffic (`files.traffic`), the calibration split is its last prompts, up to `traffic_share` of
+    `num_samples` (`recalibrate` writes that many, spread over the captured window), after the calibration file's
+    first rows for the rest.
     """
     traffic: list[list[int]] = []
     if split == "calibration" and files.traffic is not None:
