@@ -357,11 +357,13 @@ def build_engine(config: Mapping[str, object], tasks: Sequence[str], checkpoint:
     """The training module in a DeepSpeed engine; the checkpoint's state if given."""
     settings: CalibrationSection = config["settings"]
     device = worker_device()
-    module = training_module(config, tasks, device)
     if device.type == "cpu":
-        # On CPU DeepSpeed JIT-compiles a shared-memory allreduce on first use: minutes of C++ in every
-        # fresh environment, for nothing here, since gloo's allreduce is ample for correction-sized gradients.
+        # On CPU DeepSpeed JIT-compiles a shared-memory allreduce when its communication backend starts: 35-40 s of
+        # C++ on 2 cores in every fresh environment (and a compiler on every node), for nothing here, since gloo's
+        # allreduce is ample for correction-sized gradients. Before training_module: ZeRO-3's zero.Init of the
+        # coefficients' fit starts that backend.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    module = training_module(config, tasks, device)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.trained(),
                                       config=deepspeed_config(settings, config["zero_stage"]))
     if isinstance(engine.module, CalibrationModule):
