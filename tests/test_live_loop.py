@@ -122,6 +122,9 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
     # alias), and a trained one again is worse (it does not).
     trained = write_config(tiny_family, tmp_path, "trained", learning_rate=0.05, steps=30)
     barely = write_config(tiny_family, tmp_path, "barely", learning_rate=1e-9, steps=1)
+    # Trained harder still: worse than the barely trained version by a margin no sampling of the traffic closes
+    # (at the first calibration's settings it once came out as good, and took the alias).
+    harder = write_config(tiny_family, tmp_path, "harder", learning_rate=0.2, steps=30)
     assert main(["calibrate", str(trained)]) == 0
     registry = MlflowClient(tracking_server, tracking_server)
     assert registry.get_model_version_by_alias(MODEL, "champion").version == "1"
@@ -215,7 +218,7 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
         assert logged.data.params["calibration.traffic_share"] == "0.5"
 
         # A worse recalibration registers version 3, which leaves the alias, and the server, on version 2.
-        assert main(["recalibrate", str(trained), "--from-traffic", str(traffic)]) == 0
+        assert main(["recalibrate", str(harder), "--from-traffic", str(traffic)]) == 0
         kept_at = time.monotonic()
         assert registry.get_model_version_by_alias(MODEL, "champion").version == "2"
         time.sleep(3 * POLL_S)
