@@ -26,6 +26,7 @@ from darts_dist.errors import DartsError
 from darts_dist.recalibrate import spread_over_time, traffic_row
 from darts_dist.serve.capture import read_traffic
 from darts_dist.sources.models import load_tokenizer
+from darts_dist.tracking.registry import DECISIVE_METRIC
 from mlflow import MlflowClient
 
 pytestmark = pytest.mark.slow  # a tracking server, a serving process and three calibrations
@@ -118,13 +119,14 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
 ) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)
     # The tiny family's random experts have a higher held-out NLL than their merge, so corrections trained toward
-    # them raise it: a trained calibration is version 1, a barely trained recalibration is better (it takes the
-    # alias), and a trained one again is worse (it does not).
+    # them raise it: a trained calibration (fixed seeds, the same every run) is version 1, and a barely trained
+    # recalibration, the merge itself, is better (it takes the alias). The trained calibration again, taking no
+    # traffic, is version 1's evaluation to the digit: worse than version 2's, whatever the traffic holds. (A trained
+    # recalibration from the traffic differs from version 2 by ~1e-3 nats on this near-uniform family, within what
+    # the traffic's sampling moves: it took the alias twice. Which evaluation wins, with numbers that cannot tie,
+    # is tests/test_tracking.py's.)
     trained = write_config(tiny_family, tmp_path, "trained", learning_rate=0.05, steps=30)
     barely = write_config(tiny_family, tmp_path, "barely", learning_rate=1e-9, steps=1)
-    # Trained harder still: worse than the barely trained version by a margin no sampling of the traffic closes
-    # (at the first calibration's settings it once came out as good, and took the alias).
-    harder = write_config(tiny_family, tmp_path, "harder", learning_rate=0.2, steps=30)
     assert main(["calibrate", str(trained)]) == 0
     registry = MlflowClient(tracking_server, tracking_server)
     assert registry.get_model_version_by_alias(MODEL, "champion").version == "1"
@@ -218,9 +220,13 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
         assert logged.data.params["calibration.traffic_share"] == "0.5"
 
         # A worse recalibration registers version 3, which leaves the alias, and the server, on version 2.
-        assert main(["recalibrate", str(harder), "--from-traffic", str(traffic)]) == 0
+        assert main(["recalibrate", str(trained), "--from-traffic", str(traffic), "--traffic-share", "0"]) == 0
         kept_at = time.monotonic()
         assert registry.get_model_version_by_alias(MODEL, "champion").version == "2"
+        scores = {v: registry.get_run(registry.get_model_version(MODEL, v).run_id).data.metrics[DECISIVE_METRIC]
+                  for v in ("1", "2", "3")}
+        assert scores["3"] == pytest.approx(scores["1"], rel=1e-6) and scores["3"] > scores["2"], scores
+        assert "kept 'champion' on version 2" in registry.get_model_version(MODEL, "3").tags["darts.alias_decision"]
         time.sleep(3 * POLL_S)
         client.halt.set()
         client.join(timeout=120)
