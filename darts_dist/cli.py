@@ -310,6 +310,8 @@ def cmd_register(args: argparse.Namespace) -> None:
     check_registration(updated(config, calibration=updated(config.calibration, dtype=args.dtype))
                        if args.dtype else config)
     registration = register_run(client, run_id, name=args.name, alias=args.alias, dtype=args.dtype)
+    if report_path is not None:
+        _record_registration(client, report_path, registration)
     console.print(f"registered: {registration.model_uri}; {registration.decision}")
     if args.report:
         _finish({"tracking": {"uri": client.tracking_uri, "run_id": run_id, **registration.to_dict()}},
@@ -437,6 +439,24 @@ def _complete_offline_run(client, report_path: Path) -> None:
                          f"run `darts-dist register {report_path}` again once it answers")
     write_report(report_path, report)  # no longer offline
     console.print(f"tracked what the run could not log while the store was down ({report_path})")
+
+
+def _record_registration(client, report_path: Path, registration) -> None:
+    """The run's report (its folder's file, and the copy on its MLflow run) says what was registered, as the report
+    of a run that registered itself does: the logged model, the version, the alias and the decision."""
+    import json
+
+    from darts_dist.pipeline import write_report
+    from darts_dist.tracking.registry import MODEL_URI_TAG
+    from darts_dist.tracking.runs import Tracking
+
+    report = json.loads(report_path.read_text())
+    tracked = report["tracking"]
+    logged = client.get_run(tracked["stage_runs"]["calibration"]).data.tags[MODEL_URI_TAG]
+    tracked.update({"logged_model_uri": logged, **registration.to_dict()})
+    Tracking(client=client, uri=client.tracking_uri, experiment_id=tracked["experiment_id"],
+             run_id=tracked["run_id"]).log_json(tracked["run_id"], report, "report.json")
+    write_report(report_path, report)
 
 
 def _registration_target(target: str) -> tuple[str, str, Path | None]:

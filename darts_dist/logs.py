@@ -27,13 +27,28 @@ VERBOSE_ENV = "DARTS_DIST_VERBOSE"  # set (by --verbose): Ray's own lines on the
 _OWN_LINE = re.compile(r"^(\x1b\[[0-9;]*m)*\d\d:\d\d:\d\d darts_dist[\w.]*: ")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A StreamHandler on sys.stderr as it is at each record, not as it was when the handler was made: a process
+    that swaps sys.stderr (a redirect, a test's capture) gets the lines where it now looks, and a handler left on a
+    closed stream never answers a record with logging's error report, whose traceback carries the exception being
+    handled unredacted (an MLflow error quoting the store's URI, its password included)."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:  # StreamHandler.__init__ and setStream assign it: sys.stderr wins
+        pass
+
+
 def show_progress_logs(level: int = logging.INFO) -> None:
     """darts-dist's own lines (downloads, conversions, stages, steps) on stderr at `level`; other libraries'
     stay with their own settings. Idempotent, so every process that does darts-dist work (the command, a
     Ray worker or actor) may call it."""
     logger = logging.getLogger("darts_dist")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(_FORMAT)
         handler.addFilter(RedactingFilter())
         logger.addHandler(handler)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from darts_dist.logs import (DATASETS_BARS_OFF, LIBRARY_BARS_OFF, PROGRESS_ENV, PROGRESS_LINE_S, VERBOSE_ENV, own_lines, progress_bar,
-                             progress_interval, quiet_library_progress)
+                             progress_interval, quiet_library_progress, show_progress_logs)
 
 # A Ray actor that prints a line of Ray's kind and logs a darts-dist progress line, with the driver as darts-dist
 # starts it; the driver waits a moment for Ray to forward both.
@@ -118,3 +119,23 @@ def test_outside_a_terminal_the_libraries_bars_are_off_for_this_process_and_its_
         datasets.enable_progress_bars()
         transformers.utils.logging.enable_progress_bar()
         huggingface_hub.utils.enable_progress_bars()
+
+
+def test_darts_dists_lines_go_to_stderr_as_it_is_now_and_a_closed_one_leaks_nothing(monkeypatch) -> None:
+    """The handler writes to sys.stderr as it is at each record: a stream closed since (a finished redirect or test
+    capture) is never written to, so logging never prints its error report, whose traceback would quote the
+    exception being handled (an MLflow error with the store's password in its URL) unredacted."""
+    logger = logging.getLogger("darts_dist.test")
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    show_progress_logs()
+    logger.warning("to the first")
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    try:
+        raise ConnectionError("API request to http://darts:s3cr3t@127.0.0.1:5000/api failed")
+    except ConnectionError as error:
+        logger.warning("the store at %s stopped answering (%s)", "http://darts:s3cr3t@127.0.0.1:5000", error)
+    written = second.getvalue()
+    assert "stopped answering" in written and "http://***@127.0.0.1:5000" in written
+    assert "s3cr3t" not in written and "Logging error" not in written

@@ -1,11 +1,14 @@
-"""MLflow tracking and registry against a real `mlflow server`: runs, the pyfunc model, the alias, failures."""
+"""MLflow tracking and registry against a real `mlflow server`: runs, the pyfunc model, the alias, failures (the\nserver lost in the middle of the run these tests read, and back for `darts-dist register`)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,27 +17,20 @@ import mlflow.pyfunc
 import pytest
 import yaml
 from isolation import requirements_environment
-from mlflow_server import free_port, mlflow_server
+from mlflow_server import free_port, mlflow_server, stop
 from tiny_configs import family_config
 
 from darts_dist.cli import main
+from darts_dist.core import load_corrections
 from darts_dist.errors import DartsError
 from darts_dist.generation import CorrectedLM
 from darts_dist.tracking.registry import DECISION_TAG, DECISIVE_METRIC, MODEL_URI_TAG, VERSION_TAG, register_version
-from darts_dist.tracking.runs import connect, experiment_id, tracking_uri
+from darts_dist.tracking.runs import STAGE_TAG, connect, experiment_id, tracking_uri
 from mlflow import MlflowClient
 
 MODEL = "tiny-darts"
 STEPS = 6
 PROMPT, TASK = "def add(a, b):", "code"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    """mlflow/server.sh on a free loopback port, with its data in a temporary folder."""
-    port = free_port()
-    with mlflow_server(tmp_path_factory.mktemp("mlflow-server"), port):
-        yield f"http://127.0.0.1:{port}"
 
 
 def write_config(tiny_family, folder: Path) -> Path:
@@ -49,18 +45,73 @@ def write_config(tiny_family, folder: Path) -> Path:
     return path
 
 
+def drop_when_calibration_starts(uri: str, server: subprocess.Popen, done: threading.Event) -> None:
+    """Stop the server as soon as the calibration stage has opened its run: the Ray job then starts, trains and
+    finishes with no store to talk to."""
+    client = MlflowClient(uri)
+    while not done.is_set():
+        experiment = client.get_experiment_by_name("test-tracking")
+        if experiment and client.search_runs([experiment.experiment_id], f"tags.`{STAGE_TAG}` = 'calibration'"):
+            stop(server)
+            return
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
-def tracked(server: str, ray_cluster, tiny_family, tmp_path_factory: pytest.TempPathFactory):
-    """One `darts-dist calibrate` tracked on the server: its report, run folder and a client."""
-    folder = tmp_path_factory.mktemp("tracked")
-    config = write_config(tiny_family, folder)
+def tracked(ray_cluster, tiny_family, tmp_path_factory: pytest.TempPathFactory):
+    """One `darts-dist calibrate` on Ray, tracked on `mlflow server` (mlflow/server.sh), which is lost as soon as
+    the calibration stage has opened its run: the job finishes with nothing lost on disk, and once the server is
+    back on the same store `darts-dist register RUN_DIR` logs what it missed and registers the model. The
+    module's tests then read the store as a run that never lost its server would have left it (a run tracked
+    without an outage: test_live_loop, test_fake_gpus)."""
+    folder, store, port = tmp_path_factory.mktemp("tracked"), tmp_path_factory.mktemp("mlflow-server"), free_port()
+    uri = f"http://127.0.0.1:{port}"
+    config, runs = write_config(tiny_family, folder), folder / "runs"
+    out, err = io.StringIO(), io.StringIO()  # what the two commands print, to read for the password
     with pytest.MonkeyPatch.context() as patch:
         # With a user and password in the URI, as a server behind basic auth takes them (this one ignores them).
-        patch.setenv("MLFLOW_TRACKING_URI", server.replace("http://", "http://darts:s3cr3t@"))
-        assert main(["calibrate", str(config), "--output-dir", str(folder / "runs")]) == 0
-    run_dir = folder / "runs" / "tracked"
-    return SimpleNamespace(report=json.loads((run_dir / "calibration.json").read_text()), run_dir=run_dir,
-                           client=MlflowClient(server, server), uri=server)
+        patch.setenv("MLFLOW_TRACKING_URI", uri.replace("http://", "http://darts:s3cr3t@"))
+        with mlflow_server(store, port) as server:
+            done = threading.Event()
+            dropper = threading.Thread(target=drop_when_calibration_starts, args=(uri, server, done), daemon=True)
+            dropper.start()
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    code = main(["calibrate", str(config), "--output-dir", str(runs)])
+            finally:
+                done.set()
+                dropper.join()
+            assert server.poll() is not None, "the server was never dropped"
+    run_dir = runs / "tracked"
+    offline = json.loads((run_dir / "calibration.json").read_text())
+    with mlflow_server(store, port):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("MLFLOW_TRACKING_URI", uri.replace("http://", "http://darts:s3cr3t@"))
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                registered = main(["register", str(run_dir)])
+            assert registered == 0, err.getvalue()[-3000:]
+        yield SimpleNamespace(report=json.loads((run_dir / "calibration.json").read_text()), offline=offline,
+                              run_dir=run_dir, client=MlflowClient(uri, uri), uri=uri,
+                              outage=(code, out.getvalue(), err.getvalue()))
+
+
+@pytest.mark.slow
+def test_a_server_lost_mid_run_loses_nothing_on_disk_and_says_how_to_register(tracked) -> None:
+    code, out, err = tracked.outage
+    assert code == 2, err[-3000:]
+    assert "stopped answering during the run" in err and "darts-dist register" in err
+    # Neither command printed the store's password: not in darts-dist's lines, not in MLflow's "View run" links
+    # (off), not in a logging error's traceback of the MLflow exception it was handling.
+    assert "s3cr3t" not in out + err and "View run" not in out
+    assert "http://***@127.0.0.1" in err
+    # The work was complete on disk: corrections (also in the Ray checkpoint), evaluation, the report.
+    offline = tracked.offline
+    assert offline["tracking"]["offline"] and "darts" in offline["variants"]
+    corrections, _ = load_corrections(Path(offline["corrections"]))
+    assert corrections.spec.tasks == ("code", "math")
+    assert Path(offline["calibration"]["job"]["checkpoint_path"]).is_dir()
+    # `register` put the run's report back as a tracked one.
+    assert "offline" not in tracked.report["tracking"]
 
 
 def artifact_paths(client: MlflowClient, run_id: str, folder: str | None = None) -> set[str]:

@@ -38,6 +38,7 @@ from mlflow import MlflowClient
 logger = logging.getLogger(__name__)
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+SUPPRESS_RUN_URLS_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 SQLITE_PREFIX = "sqlite:///"
 ARTIFACT_FOLDER = "mlartifacts"
 # MLflow's limits: at most 100 params per batch and 6000 characters per param value.
@@ -74,6 +75,9 @@ def connect(uri: str) -> MlflowClient:
     sqlite = _sqlite_file(uri)
     if sqlite is not None:
         sqlite.parent.mkdir(parents=True, exist_ok=True)
+    # MLflow prints "View run NAME at: URL" on stdout (the results' stream) as each run ends, with a server's
+    # user:password in the URL; the command's own "mlflow: run" line says it, redacted.
+    os.environ.setdefault(SUPPRESS_RUN_URLS_ENV, "true")
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     # Without this, an unreachable server is retried with back-off for minutes.
     with environment(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=_CHECK_TIMEOUT_S):
