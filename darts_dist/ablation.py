@@ -62,7 +62,7 @@ from darts_dist.sources.data import tokenized
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
 from darts_dist.sources.references import ResolvedSources, resolve_sources
 from darts_dist.tracking.runs import Tracking, evaluation_metrics, log_config, log_evaluation
-from darts_dist.tuning import tune_variant
+from darts_dist.tuning import tune_variant, tuning_session
 
 logger = logging.getLogger(__name__)
 
@@ -314,11 +314,12 @@ def tune(
     trial's results, and the variants built from the winners."""
     settings = plan.config.calibration
     trials, best = [], {}
-    for name in ("surgery", "darts"):
-        features = variant_features(sides.features, VARIANTS[name](settings))
-        best[name], rows = tune_variant(name, VARIANTS[name], plan.config, plan.trials, plan.select, features,
-                                        merged_dir, ctx.evaluator, sides.pairs, tracking)
-        trials += [row | {"settings": _knobs(row["settings"])} for row in rows]
+    with tuning_session(plan.config):
+        for name in ("surgery", "darts"):
+            features = variant_features(sides.features, VARIANTS[name](settings))
+            best[name], rows = tune_variant(name, VARIANTS[name], plan.config, plan.trials, plan.select, features,
+                                            merged_dir, ctx.evaluator, sides.pairs, tracking)
+            trials += [row | {"settings": _knobs(row["settings"])} for row in rows]
     variants = plan.built(best["darts"])
     if "surgery" in variants:
         variants["surgery"] = best["surgery"]

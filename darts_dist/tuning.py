@@ -15,7 +15,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from ray import tune
@@ -120,6 +120,13 @@ def _mlflow(tracking: Tracking | None, name: str) -> list[MLflowLoggerCallback]:
                                  tags={"mlflow.parentRunId": tracking.run_id, STAGE_TAG: f"tune/{name}"})]
 
 
+def tuning_session(config: RunConfig) -> AbstractContextManager[None]:
+    """The Ray cluster the trials run on: the one this process joined, the config's (or RAY_ADDRESS's), else a
+    local one with every core. Held around several `tune_variant` calls, they share it: one cluster start and one
+    set of trial processes (Tune reuses a function trial's actor) instead of one per variant."""
+    return ray_session(config.cluster.address or os.environ.get("RAY_ADDRESS"), {"num_cpus": os.cpu_count() or 1})
+
+
 def tune_variant(
     name: str, variant: Callable[[CalibrationSection], CalibrationSection], config: RunConfig, trials: int,
     select: str, features: list[TaskFeatures], merged_dir: Path, evaluator: Evaluator,
@@ -133,8 +140,7 @@ def tune_variant(
     resources = {"cpu": cluster.cpus_per_worker, "gpu": 1.0 if cluster.use_gpu else 0.0}
     searcher = OptunaSearch(metric=select, mode="max", seed=settings.seed,
                             points_to_evaluate=[own_point(settings, tasks, darts)])
-    address = cluster.address or os.environ.get("RAY_ADDRESS")
-    with ray_session(address, {"num_cpus": os.cpu_count() or 1}), _mlflow_uris_kept():
+    with tuning_session(config), _mlflow_uris_kept():
         tuner = tune.Tuner(
             tune.with_resources(trainable, resources),
             param_space=search_space(settings, tasks, darts),
