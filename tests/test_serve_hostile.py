@@ -10,6 +10,7 @@ import json
 import signal
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,11 +65,22 @@ def test_a_config_asking_for_every_interface_binds_loopback_and_says_why(server)
     assert "serve.host 0.0.0.0 comes from a config, not the command line: binding 127.0.0.1" in server.log.read_text()
 
 
+def test_the_prometheus_exporter_listens_on_loopback_only(server) -> None:
+    """The server's own Ray node is on 127.0.0.1, so Ray's metrics agent exports there, not on every interface."""
+    line = next(line for line in server.log.read_text().splitlines() if "Prometheus metrics" in line)
+    url = urllib.parse.urlsplit(line.rsplit(" at ", 1)[1].strip())
+    assert url.hostname == "127.0.0.1"
+    listening = {conn.laddr.ip for conn in psutil.net_connections("tcp")
+                 if conn.status == psutil.CONN_LISTEN and conn.laddr.port == url.port}
+    assert listening == {"127.0.0.1"}
+
+
 def call(server, method: str, path: str, body: bytes | dict | None = None, key: str | None = KEY,
-         timeout: float = 120) -> tuple[int, dict[str, str], bytes]:
-    """One request on its own connection: status, headers, the whole raw body."""
+         timeout: float = 120, extra: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One request on its own connection (with `extra` headers): status, headers, the whole raw body."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}),
+               **(extra or {})}
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
     try:
         connection.request(method, path, body=data, headers=headers)
@@ -130,6 +142,21 @@ def test_a_hostile_request_gets_a_small_json_4xx(server, method: str, path: str,
     got, _, raw = call(server, method, path, body)
     assert got == status, raw[:500]
     check_json_reply(got, raw, stream=False)
+
+
+@pytest.mark.parametrize("header, value", [("x-request-timeout-seconds", "0"), ("X-Request-Timeout-Seconds", "3600"),
+                                           ("x-request-disconnect-disabled", "?1")])
+def test_ray_serves_client_controlled_headers_are_refused_before_any_work(server, header: str, value: str) -> None:
+    """A client may not turn the server's request timeout off or keep its request running once it has gone."""
+    before = health(server)["prompt_tokens"]
+    got, _, raw = call(server, "POST", "/v1/completions",
+                       {"model": f"{NAME}:code", "prompt": "def f(x):", "max_tokens": 4}, extra={header: value})
+    assert got == 400, raw[:500]
+    check_json_reply(got, raw, stream=False)
+    assert json.loads(raw)["error"]["param"] == header.lower()
+    assert health(server)["prompt_tokens"] == before  # refused before anything was tokenised
+    assert call(server, "POST", "/v1/completions",
+                {"model": f"{NAME}:code", "prompt": "def f(x):", "max_tokens": 2})[0] == 200
 
 
 def test_special_token_text_from_users_stays_text(server) -> None:
