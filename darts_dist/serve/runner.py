@@ -16,7 +16,7 @@ from ray.serve.exceptions import RayServeException
 
 from darts_dist.config import ServeSection
 from darts_dist.logs import init_ray
-from darts_dist.serve.access import LOOPBACK, warn_if_exposed
+from darts_dist.serve.access import warn_if_exposed
 from darts_dist.serve.builder import build_app, check_capture_folder
 from darts_dist.serve.follow import start_follower, stop_follower
 from darts_dist.serve.metrics import metrics_url
@@ -81,10 +81,7 @@ def run_foreground(
     """
     joined = ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
     if not ray.is_initialized():
-        # The node on loopback: Ray's metrics agent then exports Prometheus metrics (the engine's among them) on
-        # 127.0.0.1, not on every interface. The HTTP server binds what --host says either way; scraping from
-        # elsewhere is a cluster's (`ray start`, which `serve` joins through RAY_ADDRESS).
-        init_ray(include_dashboard=False, _node_ip_address=LOOPBACK)
+        init_ray(include_dashboard=False)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         url = start(source, settings, api_key)
