@@ -631,7 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(demo, "--steps")
     add_config_flags(recalibrate, "--traffic-share")
     for p in (demo, calibrate, recalibrate, evaluate, ablate, sweep):
-        add_config_flags(p, "--score-limit", "--output-dir")
+        add_config_flags(p, "--score-limit", "--sandbox", "--output-dir")
     for p in (demo, calibrate, recalibrate):
         add_config_flags(p, "--address", "--in-process")
     for p in (demo, calibrate, recalibrate, evaluate, ablate, sweep):

@@ -361,6 +361,12 @@ class EvaluationSection(_Section):
     # Answers generated at once (continuous batching: a finished answer's place goes to the next problem).
     generation_batch_size: PositiveInt = 32
     sandbox_timeout: float = Field(default=5.0, gt=0.0)  # seconds per check program (code scorers)
+    # Where code answers' checks run: "bwrap", only in bubblewrap's sandbox (no network, no environment, one folder
+    # of its own; where it cannot start, code tasks are refused before any model loads); "limits", also under
+    # resource limits alone where it cannot (CPU, memory, file size, processes: no security boundary).
+    sandbox: Annotated[Literal["bwrap", "limits"], Flag(
+        "--sandbox", "where code answers run: bwrap, only in bubblewrap's sandbox (refused where it cannot start); "
+        "limits, also under resource limits alone (no security boundary)", "{bwrap,limits}")] = "bwrap"
     # Also score the base model (before fine-tuning) on each task: what the experts learnt, the yardstick
     # of the merge's loss. One more model's answers per task.
     score_base: bool = True

@@ -13,6 +13,7 @@ import torch
 
 from darts_dist.core import TokenizedSet
 from darts_dist.errors import DartsError
+from darts_dist.evaluate.sandbox import Checks
 from darts_dist.evaluate.task_scores import SCORERS, answered_problems, check_instruct_answer, extract_math_answer
 from darts_dist.sources.data import detect_format, load_rows, prompts_of, tokenize_rows
 from darts_dist.sources.demo.tasks import DEMO_TASKS, make_demo_data
@@ -131,9 +132,9 @@ def test_code_rows_solutions_pass_their_tests_and_wrong_ones_do_not(demo):
                 exec(trivial + row["tests"], {})
     # Through the scorer (the sandbox): the reference passes, fenced or not; a wrong body fails its tests.
     for problem in problems:
-        assert scorer.passed(problem, problem.answer, 5.0)
-        assert scorer.passed(problem, f"Here you go:\n```python\n{problem.answer}```\nIt works.", 5.0)
-    failing = [not scorer.passed(p, p.answer.replace("return ", "return None and "), 5.0) for p in problems]
+        assert scorer.passed(problem, problem.answer, Checks(5.0))
+        assert scorer.passed(problem, f"Here you go:\n```python\n{problem.answer}```\nIt works.", Checks(5.0))
+    failing = [not scorer.passed(p, p.answer.replace("return ", "return None and "), Checks(5.0)) for p in problems]
     assert sum(failing) >= len(problems) - 2  # a test input may make the wrong body right by chance
 
 

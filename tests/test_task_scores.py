@@ -18,7 +18,7 @@ from darts_dist.core import ROUTED, CorrectionSpec, DartsCorrections, TaskRouter
 from darts_dist.errors import DartsError
 from darts_dist.evaluate import task_scores
 from darts_dist.evaluate.evaluator import Evaluator
-from darts_dist.evaluate.sandbox import run_sandboxed, sandbox_kind
+from darts_dist.evaluate.sandbox import Checks, run_sandboxed, sandbox_kind
 from darts_dist.evaluate.statistics import paired_comparison, wilson_interval
 from darts_dist.evaluate.task_scores import (
     SCORERS,
@@ -40,13 +40,13 @@ from darts_dist.sources.references import demo_data, scorer_name
 def test_math_and_instruct_checks_on_known_strings() -> None:
     math, instruct = SCORERS["math_exact"], SCORERS["instruct_exact"]
     problem = Problem(id="m", answer="1200")
-    assert math.passed(problem, "3*400 = <<3*400=1200>>1,200 apples.\n#### 1,200", 1.0)
-    assert math.passed(problem, "So the answer is 1200.0", 1.0)  # no ####: the last number
-    assert not math.passed(problem, "#### 1201", 1.0)
-    assert not math.passed(problem, "I do not know", 1.0)
-    assert not math.passed(Problem(id="m", answer="none"), "none", 1.0)  # an answer without a number never passes
-    assert instruct.passed(Problem(id="i", answer="b a"), "  b a\n", 1.0)
-    assert not instruct.passed(Problem(id="i", answer="b a"), "b  a", 1.0)
+    assert math.passed(problem, "3*400 = <<3*400=1200>>1,200 apples.\n#### 1,200", Checks(1.0))
+    assert math.passed(problem, "So the answer is 1200.0", Checks(1.0))  # no ####: the last number
+    assert not math.passed(problem, "#### 1201", Checks(1.0))
+    assert not math.passed(problem, "I do not know", Checks(1.0))
+    assert not math.passed(Problem(id="m", answer="none"), "none", Checks(1.0))  # an answer without a number never passes
+    assert instruct.passed(Problem(id="i", answer="b a"), "  b a\n", Checks(1.0))
+    assert not instruct.passed(Problem(id="i", answer="b a"), "b  a", Checks(1.0))
 
 
 def test_humaneval_problems_come_from_the_installed_wheel() -> None:
@@ -58,18 +58,18 @@ def test_humaneval_problems_come_from_the_installed_wheel() -> None:
 
 def test_sandbox_passes_a_solution_fails_a_wrong_one_and_stops_a_loop() -> None:
     problem = humaneval_problems(1)[0]
-    assert run_sandboxed(humaneval_program(problem, problem.answer), timeout=10.0).passed
-    wrong = run_sandboxed(humaneval_program(problem, "    return False\n"), timeout=10.0)
+    assert run_sandboxed(humaneval_program(problem, problem.answer), Checks(10.0)).passed
+    wrong = run_sandboxed(humaneval_program(problem, "    return False\n"), Checks(10.0))
     assert not wrong.passed and wrong.status == "failed: AssertionError"
     started = time.perf_counter()
-    looping = run_sandboxed(humaneval_program(problem, "    while True:\n        pass\n"), timeout=1.0)
+    looping = run_sandboxed(humaneval_program(problem, "    while True:\n        pass\n"), Checks(1.0))
     assert looping.status == "timed out" and time.perf_counter() - started < 10
     # Isolated: a fresh empty folder as cwd, no environment variables (LC_CTYPE is Python's own coercion).
     probe = "import os, sys\nassert os.listdir('.') == ['check.py'], os.listdir('.')\n" \
             "assert set(os.environ) <= {'LC_CTYPE'}, dict(os.environ)\nassert sys.flags.isolated\n"
-    assert run_sandboxed(probe, timeout=10.0).passed
+    assert run_sandboxed(probe, Checks(10.0)).passed
     # A program passes by running to its end, not by exiting with status 0 before its tests.
-    early = run_sandboxed("import sys\nsys.exit(0)\nassert False\n", timeout=10.0)
+    early = run_sandboxed("import sys\nsys.exit(0)\nassert False\n", Checks(10.0))
     assert not early.passed and early.status == "failed: exited before its end"
 
 
@@ -81,8 +81,8 @@ def test_code_tests_need_tests_in_every_row(tmp_path: Path) -> None:
         SCORERS["code_tests"].problems(rows, None)
     assert "assert statements" in error.value.fix
     (problem,) = SCORERS["code_tests"].problems(rows, 1)
-    assert SCORERS["code_tests"].passed(problem, "def f():\n    return 1\n", 5.0)
-    assert not SCORERS["code_tests"].passed(problem, "def f():\n    return 2\n", 5.0)
+    assert SCORERS["code_tests"].passed(problem, "def f():\n    return 1\n", Checks(5.0))
+    assert not SCORERS["code_tests"].passed(problem, "def f():\n    return 2\n", Checks(5.0))
 
 
 def test_scorer_follows_the_config_and_defaults_for_demo_tasks() -> None:
@@ -289,7 +289,7 @@ def test_humaneval_solution_nll_equals_a_direct_computation(models, tiny_family,
     assert result["sandbox"] == sandbox_kind()  # which sandbox ran the code
     for model in ("base", "expert", "merged", "corrected"):  # pass@1: the sandbox by hand on what each wrote
         texts = answered[f"{model} answers code"]
-        ran = [run_sandboxed(humaneval_program(p, t), timeout=settings.sandbox_timeout).passed
+        ran = [run_sandboxed(humaneval_program(p, t), Checks(settings.sandbox_timeout)).passed
                for p, t in zip(problems, texts)]
         assert ran[2], (model, texts[2])  # the planted problem passes
         assert result[f"score_{model}"] == sum(ran) / 3, (model, texts)

@@ -157,7 +157,7 @@ class Evaluator:
         if self.cache is None or identity is None:
             return problem_passes(lm, None, problems, scorer, settings, desc=label, progress=self.progress)
         key = digest("answers", identity, scorer.name, settings.max_new_tokens or scorer.max_new_tokens, scorer.stop,
-                     sorted(lm.eos_ids), settings.generation_batch_size, settings.sandbox_timeout)
+                     sorted(lm.eos_ids), settings.generation_batch_size, settings.sandbox_timeout, settings.sandbox)
 
         def answer(missing: list[int]) -> list[bool]:
             return problem_passes(lm, None, [problems[i] for i in missing], scorer, settings, label, self.progress)

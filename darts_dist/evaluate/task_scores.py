@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from darts_dist.config import EvaluationSection
 from darts_dist.core import ROUTED, TokenizedSet
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.sandbox import run_sandboxed, sandbox_kind
+from darts_dist.evaluate.sandbox import Checks, run_sandboxed, sandbox_kind
 from darts_dist.evaluate.statistics import gap_closed, mean_score_interval, paired_comparison, wilson_interval
 from darts_dist.generation import CorrectedLM
 from darts_dist.logs import progress_bar
@@ -137,7 +137,7 @@ class Scorer:
     name: str
     metric: str  # what the score is, for people
     problems: Callable[[Path | None, int | None], list[Problem]]
-    passed: Callable[[Problem, str, float], bool]  # (problem, completion, sandbox timeout)
+    passed: Callable[[Problem, str, Checks], bool]  # (problem, completion, how a code check runs)
     max_new_tokens: int
     stop: tuple[str, ...] = ()
     canonical_nll: bool = False  # also the NLL of each problem's reference answer
@@ -153,17 +153,17 @@ class Scorer:
         return require_tests(problems, source) if self.needs_tests else problems
 
 
-def _math_passed(problem: Problem, completion: str, timeout: float) -> bool:
+def _math_passed(problem: Problem, completion: str, checks: Checks) -> bool:
     expected = extract_math_answer(problem.answer)
     return expected is not None and extract_math_answer(completion) == expected
 
 
-def _instruct_passed(problem: Problem, completion: str, timeout: float) -> bool:
+def _instruct_passed(problem: Problem, completion: str, checks: Checks) -> bool:
     return check_instruct_answer(completion, problem.answer)
 
 
-def _code_tests_passed(problem: Problem, completion: str, timeout: float) -> bool:
-    return run_sandboxed(f"{code_of(completion)}\n\n{problem.test}", timeout).passed
+def _code_tests_passed(problem: Problem, completion: str, checks: Checks) -> bool:
+    return run_sandboxed(f"{code_of(completion)}\n\n{problem.test}", checks).passed
 
 
 def require_tests(problems: list[Problem], source: object) -> list[Problem]:
@@ -176,8 +176,8 @@ def require_tests(problems: list[Problem], source: object) -> list[Problem]:
     return problems
 
 
-def _humaneval_passed(problem: Problem, completion: str, timeout: float) -> bool:
-    return run_sandboxed(humaneval_program(problem, completion), timeout).passed
+def _humaneval_passed(problem: Problem, completion: str, checks: Checks) -> bool:
+    return run_sandboxed(humaneval_program(problem, completion), checks).passed
 
 
 SCORERS: dict[str, Scorer] = {
@@ -194,6 +194,12 @@ SCORERS: dict[str, Scorer] = {
         reads_rows=False, runs_code=True,
     ),
 }
+
+
+def code_checks(settings: EvaluationSection) -> Checks:
+    """How the evaluation's code checks run: `sandbox_timeout` seconds each, in bubblewrap's sandbox, or under
+    resource limits alone where it cannot start and `evaluation.sandbox` says `limits`."""
+    return Checks(settings.sandbox_timeout, limits=settings.sandbox == "limits")
 
 
 def scorer_named(name: str) -> Scorer | None:
@@ -228,7 +234,8 @@ def problem_passes(
 ) -> list[bool]:
     """Whether each problem's greedy completion passes, in order (their mean is pass@1 for code)."""
     texts = completions(lm, task, problems, scorer, settings, desc, progress)
-    return [scorer.passed(p, text, settings.sandbox_timeout) for p, text in zip(problems, texts)]
+    checks = code_checks(settings)
+    return [scorer.passed(p, text, checks) for p, text in zip(problems, texts)]
 
 
 def routed_passes(

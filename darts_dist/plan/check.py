@@ -100,10 +100,31 @@ def check_dtype(config: RunConfig) -> None:
         check_compute_dtype(config.calibration.dtype, device if not config.cluster.on_ray else torch.device("cpu"))
 
 
+def check_code_sandbox(config: RunConfig) -> None:
+    """Task scores that run the models' code answers (a code scorer, score_limit not 0) need bubblewrap's sandbox
+    here, or `evaluation.sandbox: limits`: refused before any model loads otherwise (evaluate.sandbox)."""
+    from darts_dist.evaluate.sandbox import checked_sandbox
+    from darts_dist.evaluate.task_scores import scorer_named
+    from darts_dist.sources.references import scorer_name
+
+    if config.evaluation.score_limit == 0:
+        return
+    code = [e.task for e in config.sources.experts
+            if e.data is not None and (scorer := scorer_named(scorer_name(e.data))) is not None and scorer.runs_code]
+    if code:
+        try:
+            checked_sandbox(config.evaluation.sandbox == "limits")
+        except DartsError as error:
+            raise DartsError(f"task(s) {code} score code answers, but {error.what}", error.fix) from None
+
+
 def check_run(config: RunConfig, phases: Sequence[str]) -> Plan:
-    """`calibrate` (phases merge, calibration and evaluation) and `evaluate` (evaluation): the compute dtype, the
-    plan's roles of those phases on the run's cluster, and the driver on this machine."""
+    """`calibrate` (phases merge, calibration and evaluation) and `evaluate` (evaluation): the compute dtype, where
+    code answers are checked, the plan's roles of those phases on the run's cluster, and the driver on this
+    machine."""
     check_dtype(config)
+    if "evaluation" in phases:
+        check_code_sandbox(config)
     plan = build_plan(config)
     roles = [role for role in plan.roles if role.phase in phases]
     check_launch(roles, config.cluster, driver=plan.driver)

@@ -19,7 +19,7 @@ from datasets import Dataset, DatasetDict
 
 from darts_dist.config import DataSpec, EvaluationSection
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.task_scores import SCORERS, Problem
+from darts_dist.evaluate.task_scores import SCORERS, Problem, code_checks
 from darts_dist.sources.references import demo_data, scorer_name
 
 # The folder lm-eval's TaskManager scans for these tasks (`include_path`).
@@ -69,5 +69,5 @@ def process_results(doc: Mapping[str, str], results: Sequence[str]) -> dict[str,
     """acc: 1 when darts-dist's scorer passes the completion, else 0 (lm-eval's mean of it is the task score)."""
     fields = json.loads(doc["problem"])
     problem = Problem(**(fields | {"messages": tuple(fields["messages"])}))
-    passed = SCORERS[doc["scorer"]].passed(problem, results[0], EvaluationSection().sandbox_timeout)
+    passed = SCORERS[doc["scorer"]].passed(problem, results[0], code_checks(EvaluationSection()))
     return {"acc": float(passed)}
