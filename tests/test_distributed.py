@@ -17,7 +17,6 @@ from darts_dist.calibrate.coefficients import fit_in_process
 from darts_dist.calibrate.in_process import calibrate_stage
 from darts_dist.calibrate.ray import job as job_module
 from darts_dist.calibrate.ray.job import (
-    FAIL_EXPERT_AFTER,
     FAIL_WORKER_AT_STEP,
     JobResult,
     calibrate_distributed,
@@ -28,11 +27,8 @@ from darts_dist.calibrate.ray.job import (
 from darts_dist.calibrate.ray.stream import arrivals
 from darts_dist.calibrate.router import task_prompts
 from darts_dist.config import parse_config
-from darts_dist.core import load_corrections, prompt_features, save_corrections
+from darts_dist.core import load_corrections, prompt_features
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.stage import evaluate_stage
-from darts_dist.plan.check import driver_holds_evaluation
-from darts_dist.sources.corrections import corrections_metadata
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 from darts_dist.sources.references import demo_data, resolve_sources
 
@@ -41,9 +37,6 @@ ALL_TASKS = ("code", "math", "instruct")
 # Ray's path is bit-identical to the in-process loop here (same rows, same Adam); the tolerance only
 # allows for BLAS summing in another order on other machines.
 SAME_CORRECTIONS_ATOL = 1e-6
-# Two workers train on two halves of the rows with gradients averaged: another sampling of the same
-# problem, so the result's held-out bias reduction is close to the reference's, not equal: within this share of it.
-BIAS_REDUCTION_TOLERANCE = 0.05
 
 
 def make_config(tiny_family, out: Path, data: dict[str, str] | None = None, calibration=None, cluster=None):
@@ -68,14 +61,6 @@ def make_config(tiny_family, out: Path, data: dict[str, str] | None = None, cali
 
 def run_job(config, tiny_family) -> JobResult:
     return run_calibration_job(job_plan(config, resolve_sources(config), tiny_family.base))
-
-
-def bias_reduction(config, tiny_family, corrections) -> float:
-    """Held-out bias reduction of in-memory corrections, as `darts-dist evaluate` measures it."""
-    path = save_corrections(config.run_dir / "job.safetensors", corrections,
-                            metadata=corrections_metadata(tiny_family.base))
-    return evaluate_stage(config, resolve_sources(config), tiny_family.base, path,
-                          driver_holds_models=lambda: driver_holds_evaluation(config))["overall"]["bias_reduction"]
 
 
 def assert_every_row_once(job: JobResult, sizes: dict[str, int], workers: int) -> None:
@@ -205,32 +190,8 @@ def test_two_zero2_workers_stream_a_large_set_within_bounds(ray_cluster, tiny_fa
     assert job.object_store_peak_bytes < 16 << 20
     assert job.object_store_peak_bytes < job.stream["bytes"] / 3
     assert sum(job.losses[-5:]) / 5 < job.losses[0]
-    # What two workers train against the in-process loop: the ZeRO-3 run below (a set this large costs the
+    # What two workers train against the in-process loop: test_fake_gpus's ZeRO-3 run (a set this large costs the
     # reference and its evaluation about 25 s more here).
-
-
-@pytest.mark.slow
-def test_two_zero3_workers_train_multi_layer_surgery_and_outlive_their_experts(ray_cluster, tiny_family, tmp_path,
-                                                                                monkeypatch) -> None:
-    """ZeRO-3 partitions the frozen merged model too, and gradients flow through its layers; the two
-    workers get uneven shards (their merged forwards kept in lockstep) while every expert actor is
-    lost once and restarted by Ray Data. One Ray run checks both, since each costs half a minute."""
-    monkeypatch.setenv(FAIL_EXPERT_AFTER, "1")
-    calibration = {"layers": [1, "final"], "num_samples": 21, "learning_rate": 1e-3}
-    config = make_config(tiny_family, tmp_path / "ray", calibration=calibration,
-                         cluster={"num_workers": 2, "zero_stage": 3})
-    job = run_job(config, tiny_family)
-    assert_every_row_once(job, {task: 21 for task in TASKS}, workers=2)
-    assert job.resumed_from is None  # the stream healed itself: no worker restart was needed
-    assert sum(job.losses[-5:]) / 5 < 0.8 * job.losses[0]
-    # Against the in-process loop: the redone batches are the same rows, but which worker got which
-    # rows depends on the timing, hence a tolerance, not equality.
-    reference = calibrate_stage(make_config(tiny_family, tmp_path / "ref", calibration=calibration),
-                                resolve_sources(config), tiny_family.base)
-    ours = bias_reduction(config, tiny_family, job.corrections)
-    theirs = bias_reduction(config, tiny_family, reference.result.corrections)
-    # Measured: 0.8043 on Ray against 0.8054 in-process.
-    assert theirs > 0.5 and abs(ours - theirs) < BIAS_REDUCTION_TOLERANCE * theirs, (ours, theirs)
 
 
 def test_too_few_rows_for_the_workers_is_refused_before_any_work(tiny_family, tmp_path) -> None:

@@ -34,6 +34,9 @@ pytestmark = pytest.mark.slow  # a tracking server, a serving process and three 
 MODEL = "live-model"
 TASKS = ("code", "math")
 POLL_S = 1.0
+# The client's pause between requests: it never stops sending, but leaves the recalibrations beside it a core (back
+# to back, the serving processes took one of the machine's two all the time).
+PAUSE_S = 0.1
 PROMPTS = {"code": [f"def f_{i}(x):\n    return" for i in range(4)],
            "math": [f"Question: what is {i} + {i + 2}?\nAnswer:" for i in range(4)]}
 
@@ -90,6 +93,7 @@ class Client(threading.Thread):
             except OSError:
                 self.answers.append(Answer(sent, model, 0, None))
             count += 1
+            self.halt.wait(PAUSE_S)
 
     def first_answer_from(self, version: str, after: float) -> float | None:
         return next((a.sent for a in list(self.answers) if a.sent >= after and a.version == version), None)
