@@ -3,6 +3,7 @@ consistent with each other, and give the configs what they ask for."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -110,9 +111,14 @@ def test_the_job_entry_point_forwards_to_the_command_line(tmp_path: Path) -> Non
     result = subprocess.run([sys.executable, "jobs/run.py", "calibrate", "--help"], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and "--address" in result.stdout
-    result = subprocess.run([sys.executable, "jobs/run.py", "nonsense"], cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "jobs/run.py", "validate", "x"], cwd=REPO, capture_output=True, text=True,
                             timeout=120)
-    assert result.returncode == 2 and "usage:" in result.stderr
+    assert result.returncode == 2 and "usage:" in result.stderr  # validate is not a job command
+    # A runtime env pinning another version: refused before the command runs.
+    result = subprocess.run([sys.executable, "jobs/run.py", "calibrate", "x.yaml"], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "DARTS_DIST_VERSION": "0.0.1"})
+    assert result.returncode == 2
+    assert "pins darts-dist 0.0.1" in result.stderr and "fix:" in result.stderr
 
 
 def test_serve_deploy_needs_a_cluster_to_deploy_onto(monkeypatch, capsys) -> None:
