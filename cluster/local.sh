@@ -24,7 +24,9 @@ default_worker_resources='{"expert_node": 3}'
 HEAD_RESOURCES="${HEAD_RESOURCES:-$default_head_resources}"
 WORKER_RESOURCES="${WORKER_RESOURCES:-$default_worker_resources}"
 JOB_SERVER_WAIT_S="${JOB_SERVER_WAIT_S:-180}"
-# Ray's token auth is for shared clusters; this one listens on loopback only.
+# Ray's token auth is for clusters other machines reach; this one listens on loopback only, so auth stays off
+# unless RAY_AUTH_MODE=token (with RAY_AUTH_TOKEN, or ~/.ray/auth_token) is set when it starts, as
+# tests/test_multinode.py does: then every node, and every `ray job submit`, needs the token.
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
 
 # What this script runs: Ray's command line (pip install -e . brings it) and pgrep (procps, which slim images

@@ -389,7 +389,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = serve_settings(config, args.config, host=args.host, port=args.port, dtype=args.dtype)
     check_serving(source, config, settings, os.environ.get("RAY_ADDRESS"))
     api_key = resolve_api_key(args.api_key, args.api_key_file, settings.api_key_file)
-    run_foreground(source, settings, api_key, say=console.print)
+    run_foreground(source, settings, api_key, say=console.print, metrics=args.metrics)
 
 
 def cmd_serve_deploy(args: argparse.Namespace) -> None:
@@ -529,6 +529,9 @@ def _serving_commands(command: Command) -> None:
     deploy = command("serve-deploy", "deploy the same app onto a running Ray cluster and return (a Ray job's entry)",
                      cmd_serve_deploy)
     deploy.add_argument("--address", default=None, help="the cluster (default: RAY_ADDRESS, which a Ray job sets)")
+    serve.add_argument("--metrics", action="store_true",
+                       help="export Prometheus metrics from the Ray node this command starts (off by default: Ray's "
+                       "exporter listens on the machine's address, reachable from other machines)")
     for p in (serve, deploy):
         p.add_argument("model", metavar="MODEL_URI",
                        help="models:/NAME@ALIAS, models:/NAME/VERSION, a run folder, or a merged model folder")
@@ -539,7 +542,8 @@ def _serving_commands(command: Command) -> None:
                        help="the replicas' compute dtype (auto: bfloat16 on GPUs, float32 on CPUs; default: serve.dtype, "
                        "and where that is auto the model's run's calibration.dtype)")
         p.add_argument("--api-key-file", type=Path, default=None,
-                       help="require 'Authorization: Bearer KEY', KEY the file's first line (else $DARTS_DIST_API_KEY)")
+                       help="require 'Authorization: Bearer KEY', a KEY per line of the file, `KEY` or `NAME KEY` "
+                       "(else $DARTS_DIST_API_KEY)")
         p.add_argument("--api-key", default=None,
                        help="the key itself: every user of the machine sees it in `ps` (prefer --api-key-file)")
         p.add_argument("--config", type=Path, default=None,
@@ -629,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", "merge", "calibrate", "recalibrate", "evaluate", "register"))
     ablate, sweep = ablations["ablate"], ablations["merge-sweep"]
     add_config_flags(demo, "--steps")
-    add_config_flags(recalibrate, "--traffic-share")
+    add_config_flags(recalibrate, "--traffic-share", "--traffic-client-share")
     for p in (demo, calibrate, recalibrate, evaluate, ablate, sweep):
         add_config_flags(p, "--score-limit", "--sandbox", "--output-dir")
     for p in (demo, calibrate, recalibrate):

@@ -246,6 +246,13 @@ class CalibrationSection(_Section):
     # Fewer captured prompts than the share: all of them.
     traffic_share: Annotated[float, Flag("--traffic-share", "share of the calibration samples taken from the captured "
                                          "prompts", "X")] = Field(default=0.5, ge=0.0, le=1.0)
+    # The most of a task's traffic samples one client (one API key of the server's key file) may give: a client
+    # sending most of the traffic decides at most this share of the task's recalibration data, and where the other
+    # clients sent too little to fill theirs, fewer traffic samples are taken (the calibration file gives the rest).
+    # Prompts of a server without keys, whose clients cannot be told apart, are not capped.
+    traffic_client_share: Annotated[float, Flag(
+        "--traffic-client-share", "the most of a task's traffic samples one API key's prompts may be", "X",
+    )] = Field(default=0.5, gt=0.0, le=1.0)
     seed: int = 0
     # The dtype every model role computes in (expert actors, training workers, Gram actors, the router, the
     # evaluation, the registered model's check), on GPUs and CPUs alike; auto: bfloat16 on GPUs (what a 7B user
@@ -422,8 +429,8 @@ class ServeSection(_Section):
     # or a --config YAML) binds 127.0.0.1 instead, with a warning.
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
-    # A file on the serving machine whose first line is the API key (after --api-key-file, --api-key and
-    # DARTS_DIST_API_KEY); the path is registered with the model, never the key.
+    # A file on the serving machine holding the API keys, one per client and line, `KEY` or `NAME KEY` (after
+    # --api-key-file, --api-key and DARTS_DIST_API_KEY); the path is registered with the model, never a key.
     api_key_file: Path | None = None
     num_replicas: PositiveInt = 1
     # Ray Serve's autoscaling_config (min_replicas, max_replicas, target_ongoing_requests, ...); when set it

@@ -3,7 +3,7 @@
 The prompts a server captured (`serve.capture`) become calibration samples of the task whose correction
 answered them: each task's prompts go to a JSONL in a run folder of their own, which the run's config names as
 `data.traffic`, and calibration takes `calibration.traffic_share` of its samples from them (evenly spread over
-the captured window, `spread_over_time`), the rest from the calibration file as before. Those copies are private (0600 in a 0700 folder) and removed when
+the captured window, one client's share capped: `traffic_sample`), the rest from the calibration file as before. Those copies are private (0600 in a 0700 folder) and removed when
 the recalibration ends, finished or not. The expert actors produce the targets as for any calibration;
 the run is evaluated on the held-out sets and registered under the same model name, so the alias moves only
 under the registry's rule, and a server following the alias moves with it.
@@ -12,6 +12,7 @@ under the registry's rule, and a server following the alias moves with it.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -43,6 +44,25 @@ def spread_over_time(prompts: list[CapturedPrompt], count: int) -> list[Captured
     return [prompts[(2 * i + 1) * len(prompts) // (2 * count)] for i in range(count)] if count else []
 
 
+def traffic_sample(prompts: list[CapturedPrompt], count: int, client_share: float) -> list[CapturedPrompt]:
+    """At most `count` of the time-ordered `prompts`, oldest first, where no client (API key) gives more than
+    `client_share` of `count` (at least one): slots go to the clients in turn, and each client's prompts are taken
+    evenly spread over its own captured window (`spread_over_time`). Prompts without a client (a server without
+    keys) are one uncapped group. Fewer than `count` when the capped clients cannot fill it."""
+    groups: dict[str | None, list[CapturedPrompt]] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt.client, []).append(prompt)
+    cap = max(1, math.floor(client_share * count))
+    room = {client: len(group) if client is None else min(len(group), cap) for client, group in groups.items()}
+    slots = dict.fromkeys(groups, 0)
+    while sum(slots.values()) < count and any(slots[c] < room[c] for c in groups):
+        for client in groups:
+            if slots[client] < room[client] and sum(slots.values()) < count:
+                slots[client] += 1
+    taken = [p for client, group in groups.items() for p in spread_over_time(group, slots[client])]
+    return sorted(taken, key=lambda p: p.time)
+
+
 def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = None) -> tuple[RunConfig, dict]:
     """The config of a recalibration of `config` from the prompts captured in `traffic_dir`, and what it takes
     from them.
@@ -62,15 +82,17 @@ def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = Non
     folder = config.output_dir / name / TRAFFIC_FOLDER
     folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
     folder.chmod(PRIVATE_FOLDER)
-    experts = []
+    experts, used = [], {}
     for expert in config.sources.experts:
         prompts = captured.get(expert.task)
         if prompts:
             path = folder / f"{expert.task}.jsonl"
-            taken = spread_over_time(prompts, traffic_count(config.calibration, len(prompts)))
+            taken = traffic_sample(prompts, traffic_count(config.calibration, len(prompts)),
+                                   config.calibration.traffic_client_share)
             with atomic_file(path, mode=PRIVATE_FILE) as tmp:
                 tmp.write_text("".join(json.dumps(traffic_row(p)) + "\n" for p in taken))
             expert = updated(expert, data=updated(expert.data, traffic=str(path)))
+            used[expert.task] = len(taken)
         experts.append(expert)
     recalibration = updated(
         config, name=name, sources=updated(config.sources, experts=experts),
@@ -82,7 +104,8 @@ def traffic_config(config: RunConfig, traffic_dir: Path, stamp: str | None = Non
         "from": str(Path(traffic_dir).absolute()),
         "share": share,
         "captured": {task: len(prompts) for task, prompts in captured.items()},
-        "used": {task: traffic_count(config.calibration, len(prompts)) for task, prompts in captured.items()},
+        "used": used,
+        "client_share": config.calibration.traffic_client_share,
     }
     return recalibration, summary
 

@@ -47,6 +47,42 @@ def test_the_launcher_yaml_has_a_cpu_head_and_gpu_workers_for_the_llama_job() ->
     assert any("--head" in command for command in cluster["head_start_ray_commands"])
 
 
+TOKEN_SECRET = "darts-dist-ray-token"
+
+
+def token_auth_env(container: dict) -> tuple[str | None, dict | None]:
+    """A container's RAY_AUTH_MODE and where its RAY_AUTH_TOKEN comes from."""
+    env = {item["name"]: item for item in container.get("env", [])}
+    return env.get("RAY_AUTH_MODE", {}).get("value"), env.get("RAY_AUTH_TOKEN", {}).get("valueFrom")
+
+
+def test_every_shipped_cluster_turns_on_rays_token_authentication() -> None:
+    """The dashboard's job API runs code on every node: no shipped cluster starts it, or any Ray node, without
+    the token, and every client the files define (KubeRay's submitter) sends it."""
+    launcher = yaml.safe_load((REPO / "cluster" / "ray-cluster.yaml").read_text())
+    options = launcher["docker"]["run_options"]
+    assert "--env RAY_AUTH_MODE=token" in options
+    [token_path] = [o.split("=", 1)[1] for o in options if o.startswith("--env RAY_AUTH_TOKEN_PATH=")]
+    assert launcher["file_mounts"][token_path] == "~/.ray/auth_token"
+    for command in launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"]:
+        if "ray start" in command:
+            assert command.startswith(f"RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token_path} ray start"), command
+
+    (cluster,) = load_all(REPO / "cluster" / "kuberay" / "raycluster.yaml")
+    _, job = load_all(REPO / "cluster" / "kuberay" / "rayjob.yaml")
+    pods = [cluster["spec"]["headGroupSpec"]["template"]["spec"],
+            *(group["template"]["spec"] for group in cluster["spec"]["workerGroupSpecs"]),
+            job["spec"]["submitterPodTemplate"]["spec"]]
+    for pod in pods:
+        for container in pod["containers"]:
+            assert token_auth_env(container) == ("token", {"secretKeyRef": {"name": TOKEN_SECRET, "key": "auth_token"}}), \
+                container["name"]
+    # Whatever else lands in cluster/: a dashboard on every interface only beside token auth.
+    for path in (REPO / "cluster").rglob("*"):
+        if path.is_file() and "0.0.0.0" in path.read_text():
+            assert "RAY_AUTH_MODE" in path.read_text(), path
+
+
 def test_kuberay_cluster_and_job_fit_the_config_they_carry() -> None:
     (cluster,) = load_all(REPO / "cluster" / "kuberay" / "raycluster.yaml")
     config_map, job = load_all(REPO / "cluster" / "kuberay" / "rayjob.yaml")

@@ -1,5 +1,5 @@
-"""The live loop for real: a tracking server, `darts-dist serve` following the alias with capture on, a
-client that never stops sending, and recalibrations from the captured traffic that move (or keep) the alias."""
+"""The live loop for real: a tracking server, `darts-dist serve` following the alias with capture on, two clients
+(API keys) that never stop sending, and recalibrations from the captured traffic that move (or keep) the alias."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tiny_configs import family_config
 from darts_dist.calibrate import in_process
 from darts_dist.cli import main
 from darts_dist.errors import DartsError
-from darts_dist.recalibrate import spread_over_time, traffic_row
+from darts_dist.recalibrate import traffic_row, traffic_sample
 from darts_dist.serve.capture import read_traffic
 from darts_dist.sources.models import load_tokenizer
 from darts_dist.tracking.registry import DECISIVE_METRIC
@@ -37,6 +37,7 @@ POLL_S = 1.0
 # The client's pause between requests: it never stops sending, but leaves the recalibrations beside it a core (back
 # to back, the serving processes took one of the machine's two all the time).
 PAUSE_S = 0.1
+KEYS = {"alice": "live-key-alice", "bob": "live-key-bob"}  # the server's key file: a client per line, NAME KEY
 PROMPTS = {"code": [f"def f_{i}(x):\n    return" for i in range(4)],
            "math": [f"Question: what is {i} + {i + 2}?\nAnswer:" for i in range(4)]}
 
@@ -81,8 +82,10 @@ class Client(threading.Thread):
             model = ids[count % len(ids)]
             text = PROMPTS[TASKS[count % 2]][count % 4]
             body = json.dumps({"model": model, "prompt": text, "max_tokens": 4, "temperature": 0}).encode()
-            request = urllib.request.Request(f"{self.base}/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"}, method="POST")
+            key = list(KEYS.values())[count // len(ids) % len(KEYS)]  # each client in turn sends every id
+            request = urllib.request.Request(f"{self.base}/v1/completions", data=body, method="POST",
+                                             headers={"Content-Type": "application/json",
+                                                      "Authorization": f"Bearer {key}"})
             sent = time.monotonic()
             try:
                 with urllib.request.urlopen(request, timeout=120) as response:
@@ -100,7 +103,8 @@ class Client(threading.Thread):
 
 
 def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as response:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {KEYS['alice']}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
 
@@ -136,11 +140,14 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
     assert registry.get_model_version_by_alias(MODEL, "champion").version == "1"
 
     port, log_path = free_port(), tmp_path / "serve.log"
+    key_file = tmp_path / "keys"
+    key_file.write_text("".join(f"{name} {key}\n" for name, key in KEYS.items()))
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)  # a cluster of its own, as a user's server has
     with log_path.open("w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "darts_dist.cli", "serve", f"models:/{MODEL}@champion", "--port", str(port)],
+            [sys.executable, "-m", "darts_dist.cli", "serve", f"models:/{MODEL}@champion", "--port", str(port),
+             "--api-key-file", str(key_file)],
             cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     client = Client(base)
@@ -167,13 +174,15 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
                 if "no captured traffic" in error.what or "does not exist" in error.what:
                     return False
                 raise
-            return all(len(prompts.get(task, [])) >= 4 for task in TASKS)
+            return all(sum(p.client == c for p in prompts.get(task, [])) >= 2 for task in TASKS for c in KEYS)
 
-        wait_for(captured, 120, "the server did not capture 4 prompts per task", log_path)
+        wait_for(captured, 120, "the server did not capture 2 prompts per task from each client", log_path)
         kept = read_traffic(traffic, TASKS)
         assert {p.prompt for p in kept["code"]} <= set(PROMPTS["code"]) | set(PROMPTS["math"])
         assert all(p.model_version == "1" for task in TASKS for p in kept[task])
         assert any(p.routed for task in TASKS for p in kept[task])  # the router's pick is the task recorded
+        assert {p.client for task in TASKS for p in kept[task]} <= set(KEYS)  # the key's name, never the key
+        assert all(key not in path.read_text() for path in traffic.glob("capture-*") for key in KEYS.values())
 
         trained_on = []  # spied: each calibration's tokenised sets, by task
         real_sets = in_process.calibration_sets
@@ -206,7 +215,10 @@ def test_the_server_follows_the_alias_to_a_recalibration_from_its_own_traffic(
         for task in TASKS:
             rows = [json.loads(line) for line in copies[task].splitlines()]
             assert now[task][:len(kept[task])] == kept[task] and counted[task] >= len(kept[task])
-            assert rows == [traffic_row(p) for p in spread_over_time(now[task][:counted[task]], 4)]
+            assert rows == [traffic_row(p) for p in traffic_sample(now[task][:counted[task]], 4, 0.5)]
+            # Two clients: neither gave more than half (calibration.traffic_client_share) of the task's 4 samples.
+            clients = [p.client for p in traffic_sample(now[task][:counted[task]], 4, 0.5)]
+            assert len(clients) == 4 and max(clients.count(c) for c in KEYS) == 2
             calibration = trained_on[0][task]
             assert len(calibration) == 8
             for row, captured in zip(range(4, 8), rows[-4:]):

@@ -2,7 +2,9 @@
 
 The head is labelled train_node and the second node expert_node; the config asks for the expert
 actors on expert_node and the calibration worker on train_node, and the job's report says where
-each ran. The cluster is stopped at the end even when a test fails.
+each ran. The cluster runs with Ray's token authentication on, as the shipped cluster definitions do
+(cluster/): the jobs are submitted with its token, and one without it is refused. The cluster is
+stopped at the end even when a test fails.
 
 Its time limits are there to catch hangs, not slowness. Under load a job slows down far more than
 its share of the CPU: with three busy processes next to it on this machine's two cores, the
@@ -17,8 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import tempfile
+import urllib.error
+import urllib.request
 from argparse import Namespace
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,7 +52,8 @@ def two_nodes():
     # Ray's socket paths must stay under 107 bytes: a short folder right under /tmp.
     folder = tempfile.mkdtemp(prefix="dd-", dir="/tmp")
     env = {**os.environ, "DARTS_LOCAL_CLUSTER_DIR": folder, "PORT": str(free_port()),
-           "DASHBOARD_PORT": str(free_port()), "HEAD_CPUS": "2", "WORKER_CPUS": "4", "JOB_SERVER_WAIT_S": "900"}
+           "DASHBOARD_PORT": str(free_port()), "HEAD_CPUS": "2", "WORKER_CPUS": "4", "JOB_SERVER_WAIT_S": "900",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_ADDRESS", None)
     try:
         started = subprocess.run(["bash", str(REPO / "cluster" / "local.sh"), "start"], env=env,
@@ -119,3 +125,37 @@ def test_a_job_asking_for_missing_resources_fails_with_a_clear_message(two_nodes
     assert "no room for the job's expert actors after waiting 3 s" in logs, logs[-3000:]
     assert "gpu_node" in logs and "fix:" in logs
     assert not (tmp_path / "out" / "local-two-node" / "corrections.safetensors").exists()
+
+
+def jobs_listed(cluster: SimpleNamespace, token: str | None) -> tuple[int, list]:
+    """The dashboard's job list over plain HTTP, with `token` as the bearer or without one: status and jobs."""
+    request = urllib.request.Request(f"{cluster.dashboard}/api/jobs/",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, []
+
+
+def test_a_submission_without_the_clusters_token_is_refused(two_nodes, tmp_path) -> None:
+    token = two_nodes.env["RAY_AUTH_TOKEN"]
+    status, before = jobs_listed(two_nodes, token)
+    assert status == 200
+    # A client with no token (auth off on its side, no token file in its home) and one with another token.
+    strangers = {"no token": {"RAY_AUTH_MODE": "disabled"},
+                 "another token": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}}
+    for who, auth in strangers.items():
+        env = {key: value for key, value in two_nodes.env.items() if not key.startswith("RAY_AUTH")}
+        env |= {**auth, "HOME": str(tmp_path)}
+        marker = tmp_path / f"ran-{who.replace(' ', '-')}"
+        refused = subprocess.run(["ray", "job", "submit", "--address", two_nodes.dashboard, "--no-wait", "--",
+                                  "touch", str(marker)], env=env, capture_output=True, text=True, timeout=300)
+        assert refused.returncode != 0, (who, refused.stdout[-2000:])
+        said = (refused.stdout + refused.stderr).lower()
+        assert "authenticationerror" in said and "token" in said, (who, said[-2000:])
+        assert not marker.exists()
+    assert jobs_listed(two_nodes, None)[0] == 401
+    assert jobs_listed(two_nodes, secrets.token_hex(32))[0] in (401, 403)
+    assert len(jobs_listed(two_nodes, token)[1]) == len(before)  # nothing was submitted
+

@@ -275,6 +275,55 @@ print("written", written)
 OUTPUT_REPLACED_BY_A_FIFO = "import os\nos.remove('../stdout')\nos.mkfifo('../stdout')\n"
 
 
+# A program that tries to pass without passing: it prints every pass marker it can find in any file it can read
+# (its own folder, and under `limits` the evaluator's temporary folders, the tests' script among them), writes
+# them into every output file it can reach, and exits 0 before the tests call anything.
+FORGER = """\
+import glob, os, re
+found = set()
+# Its own folder; under limits the evaluator's temporary folders, the tests' among them (under bwrap /tmp is empty).
+for pattern in ("*", "/tmp/darts-sandbox-*/*/*.py", "/tmp/darts-sandbox-*/*/*/*.py"):
+    for path in glob.glob(pattern):
+        try:
+            if os.path.getsize(path) < 1 << 20:
+                found |= set(re.findall(r"darts-sandbox-done-[0-9a-f]+", open(path, errors="replace").read()))
+        except OSError:
+            pass
+for marker in found or {"darts-sandbox-done-0123456789abcdef"}:
+    print(marker)
+    for path in glob.glob("/tmp/darts-sandbox-*/stdout") + glob.glob("/tmp/darts-sandbox-*/*/stdout"):
+        try:
+            open(path, "a").write(marker + "\\n")
+        except OSError:
+            pass
+os._exit(0)
+"""
+
+
+def test_a_program_that_prints_the_marker_and_exits_0_fails(kind: str) -> None:
+    """The verdict comes from the tests' process: the program never sees its marker, and what it prints or writes,
+    and how it exits, are not the tests running to their end."""
+    forged = run_sandboxed(FORGER, Checks(10.0, limits=True), tests="assert f(2) == 4\n")
+    assert not forged.passed and forged.status == "failed: exited before its end (status 0)", forged.status
+    # The same program's function, answering: the tests' calls cross as plain data both ways.
+    honest = run_sandboxed("def f(x):\n    return x * 2\n", Checks(10.0, limits=True), tests="assert f(2) == 4\n")
+    assert honest.passed, honest.status
+
+
+def test_only_plain_data_crosses_from_the_program(kind: str) -> None:
+    """A value that is not a Python literal (an object whose == is always true) cannot reach the tests; values that
+    are keep their types; an exception in the program is the tests' failure, named."""
+    always_equal = "class Anything:\n    def __eq__(self, other):\n        return True\n\ndef f(x):\n    return Anything()\n"
+    cheat = run_sandboxed(always_equal, Checks(10.0, limits=True), tests="assert f(1) == 2\n")
+    assert not cheat.passed and "TypeError: the program's answer is not plain data" in cheat.status, cheat.status
+    typed = "def f(x):\n    return (x, [1.5, None], {'a': b'b'}, {3})\n"
+    kept = run_sandboxed(typed, Checks(10.0, limits=True),
+                         tests="assert f(1) == (1, [1.5, None], {'a': b'b'}, {3}) and type(f(1)) is tuple\n")
+    assert kept.passed, kept.status
+    raised = run_sandboxed("def f(x):\n    return 1 / x\n", Checks(10.0, limits=True), tests="f(0)\n")
+    assert not raised.passed and "f raised ZeroDivisionError" in raised.status, raised.status
+
+
 def test_a_tree_thousands_of_levels_deep_is_cleaned_up(kind: str) -> None:
     before = set(Path(tempfile.gettempdir()).glob("darts-sandbox-*"))
     result = run_sandboxed(DEEP_TREE, Checks(30.0, limits=True))

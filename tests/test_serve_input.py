@@ -112,37 +112,58 @@ def test_a_chat_template_that_refuses_is_a_darts_error(tiny_family) -> None:
         encode_user_chat(tokenizer, [{"role": "user", "content": "hi"}])
 
 
+def keys(found) -> list[str]:
+    """The keys of an ApiKeys, in order."""
+    return [key for _, key in found.clients]
+
+
 def test_the_api_key_comes_from_a_file_a_flag_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert resolve_api_key() is None
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert resolve_api_key() == "from-env"
+    assert keys(resolve_api_key()) == ["from-env"]
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
-    assert resolve_api_key(file=key_file) == "from-file"
+    assert keys(resolve_api_key(file=key_file)) == ["from-file"]
     with caplog.at_level(logging.WARNING):
-        assert resolve_api_key(flag="from-flag") == "from-flag"
+        assert keys(resolve_api_key(flag="from-flag")) == ["from-flag"]
     assert "ps" in caplog.text
-    for bad, match in [(tmp_path / "missing", "cannot read"), (tmp_path / "empty", "is empty")]:
+    for bad, match in [(tmp_path / "missing", "cannot read"), (tmp_path / "empty", "holds no key")]:
         if bad.name == "empty":
-            bad.write_text("\n")
+            bad.write_text("\n# a comment\n")
         with pytest.raises(DartsError, match=match):
             resolve_api_key(file=bad)
     with pytest.raises(DartsError, match="both"):
         resolve_api_key(flag="a", file=key_file)
     # Surrounding whitespace is not part of a key; the config's file comes last, after the environment.
-    assert resolve_api_key(flag=" from-flag\n") == "from-flag"
+    assert keys(resolve_api_key(flag=" from-flag\n")) == ["from-flag"]
     configured = tmp_path / "configured"
     configured.write_text("from-config\n")
-    assert resolve_api_key(configured_file=configured) == "from-env"
+    assert keys(resolve_api_key(configured_file=configured)) == ["from-env"]
     monkeypatch.setenv(API_KEY_ENV, " from-env ")
-    assert resolve_api_key() == "from-env"
+    assert keys(resolve_api_key()) == ["from-env"]
     monkeypatch.delenv(API_KEY_ENV)
-    assert resolve_api_key(configured_file=configured) == "from-config"
-    assert resolve_api_key(file=key_file, configured_file=configured) == "from-file"
+    assert keys(resolve_api_key(configured_file=configured)) == ["from-config"]
+    assert keys(resolve_api_key(file=key_file, configured_file=configured)) == ["from-file"]
     with pytest.raises(DartsError, match="serve.api_key_file"):
         resolve_api_key(configured_file=tmp_path / "missing")
+
+
+def test_a_key_file_holds_a_key_per_client_each_named(tmp_path: Path) -> None:
+    """A key per line, `KEY` or `NAME KEY`: a request's key names its client (what capture records, never the key);
+    repeated names or keys and lines of more than two words are refused; no repr shows a key."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("# clients\nalice k-alice-1\n\nk-unnamed\nbob k-bob-2\n")
+    found = resolve_api_key(file=key_file)
+    assert found.clients == (("alice", "k-alice-1"), ("key-2", "k-unnamed"), ("bob", "k-bob-2"))
+    assert [found.client(k) for k in ("k-alice-1", "k-unnamed", "k-bob-2", "k-alice", "")] == \
+        ["alice", "key-2", "bob", None, None]
+    assert "k-alice-1" not in repr(found) and "alice" in repr(found)
+    for text, match in [("alice k1\nalice k2\n", "repeats"), ("a k1\nb k1\n", "repeats"), ("a b c\n", "3 words")]:
+        key_file.write_text(text)
+        with pytest.raises(DartsError, match=match):
+            resolve_api_key(file=key_file)
 
 
 @pytest.mark.parametrize("blank", ["", "   ", "\t\n"])

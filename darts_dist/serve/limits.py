@@ -4,29 +4,36 @@ refusals the engine's state makes (429 with Retry-After when its waiting room is
 from __future__ import annotations
 
 import asyncio
-import hmac
 
 from fastapi import Request
 
 from darts_dist.generation import EngineStopped
+from darts_dist.serve.access import ApiKeys
 from darts_dist.serve.openai_api import ApiError
 
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait: about the time a few decoding steps free a slot
 
 
-def authorized(request: Request, api_key: str | None) -> bool:
-    """Whether the request carries the key (`Authorization: Bearer KEY`, compared in constant time); any request
-    is, without a key."""
-    if api_key is None:
-        return True
+def client_of(request: Request, api_keys: ApiKeys) -> str | None:
+    """The client whose key the request carries (`Authorization: Bearer KEY`), else None."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return api_keys.client(token.strip()) if scheme.lower() == "bearer" else None
 
 
-def authorize(request: Request, api_key: str | None) -> None:
-    if not authorized(request, api_key):
+def authorized(request: Request, api_keys: ApiKeys | None) -> bool:
+    """Whether the request carries one of the keys; any request does, without keys."""
+    return api_keys is None or client_of(request, api_keys) is not None
+
+
+def authorize(request: Request, api_keys: ApiKeys | None) -> str | None:
+    """The client the request's key names (None without keys), or 401."""
+    if api_keys is None:
+        return None
+    client = client_of(request, api_keys)
+    if client is None:
         raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
                        code="invalid_api_key")
+    return client
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

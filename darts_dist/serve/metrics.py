@@ -54,7 +54,9 @@ class EngineMetrics:
         self._stop.set()
 
 
-def metrics_url() -> str:
-    """Where Ray's metrics agent on this node exports Prometheus metrics, the replicas' darts_serve_* among them."""
+def metrics_url() -> str | None:
+    """Where Ray's metrics agent on this node exports Prometheus metrics, the replicas' darts_serve_* among them;
+    None where the node exports none (metrics collection off)."""
     node = next(n for n in ray.nodes() if n["Alive"] and n["NodeID"] == ray.get_runtime_context().get_node_id())
-    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    port = node.get("MetricsExportPort") or 0
+    return f"http://{node['NodeManagerAddress']}:{port}/metrics" if port > 0 else None

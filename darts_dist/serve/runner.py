@@ -16,7 +16,7 @@ from ray.serve.exceptions import RayServeException
 
 from darts_dist.config import ServeSection
 from darts_dist.logs import init_ray
-from darts_dist.serve.access import warn_if_exposed
+from darts_dist.serve.access import ApiKeys, warn_if_exposed
 from darts_dist.serve.builder import build_app, check_capture_folder
 from darts_dist.serve.follow import start_follower, stop_follower
 from darts_dist.serve.metrics import metrics_url
@@ -39,12 +39,12 @@ def app_exists() -> bool:
         return False
 
 
-def deploy(source: ModelSource, settings: ServeSection, api_key: str | None) -> None:
+def deploy(source: ModelSource, settings: ServeSection, api_key: ApiKeys | None) -> None:
     """Deploy (or roll over to) the app on `source`; returns once its replicas run, raises if they cannot start."""
     serve.run(build_app(source, settings, api_key), name=APP_NAME, route_prefix="/", blocking=False)
 
 
-def start(source: ModelSource, settings: ServeSection, api_key: str | None = None, detached: bool = False) -> str:
+def start(source: ModelSource, settings: ServeSection, api_key: ApiKeys | None = None, detached: bool = False) -> str:
     """Start Serve's HTTP proxy on settings.host:port and deploy the app; returns its OpenAI base URL. With
     `serve.follow_alias` a follower starts too (`detached`: it outlives this driver).
 
@@ -72,21 +72,27 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_foreground(
-    source: ModelSource, settings: ServeSection, api_key: str | None, say: Callable[[str], None] = print
+    source: ModelSource, settings: ServeSection, api_key: ApiKeys | None, say: Callable[[str], None] = print,
+    metrics: bool = False,
 ) -> None:
     """`darts-dist serve`: serve until Ctrl-C (or SIGTERM), then shut Serve down.
 
     On a cluster this process joined (RAY_ADDRESS) only the app is deleted; a cluster it started
-    itself is shut down with it.
+    itself is shut down with it. That cluster exports no Prometheus metrics unless `metrics`: Ray's exporter binds
+    the node's address (a loopback node IP is turned back into the machine's reachable one), so it would answer
+    other machines; only the command line asks for it, as only --host opens the server.
     """
     joined = ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
     if not ray.is_initialized():
-        init_ray(include_dashboard=False)
+        init_ray(include_dashboard=False,
+                 **({} if metrics else {"_system_config": {"enable_metrics_collection": False}}))
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         url = start(source, settings, api_key)
         say(f"serving {source.name} at {url} (GET /v1/models lists the model ids; Ctrl-C stops)")
-        say(f"Prometheus metrics (darts_serve_* and Ray Serve's own) at {metrics_url()}")
+        exported = metrics_url()
+        say(f"Prometheus metrics (darts_serve_* and Ray Serve's own) at {exported}" if exported else
+            "Prometheus metrics: off (--metrics exports them, on the machine's address)")
         if follows(source, settings):
             say(f"following {source.alias} (version {source.version} now) every {settings.alias_poll_s:g} s")
         if settings.capture.enabled:
