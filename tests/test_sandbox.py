@@ -322,6 +322,10 @@ def test_only_plain_data_crosses_from_the_program(kind: str) -> None:
     assert kept.passed, kept.status
     raised = run_sandboxed("def f(x):\n    return 1 / x\n", Checks(10.0, limits=True), tests="f(0)\n")
     assert not raised.passed and "f raised ZeroDivisionError" in raised.status, raised.status
+    # Nor does the program answer for Python's own names: its `len` stays its own.
+    shadow = run_sandboxed("def len(x):\n    return 3\n\ndef f(x):\n    return [x]\n", Checks(10.0, limits=True),
+                           tests="assert len(f(1)) == 3\n")
+    assert not shadow.passed and shadow.status == "failed: AssertionError", shadow.status
 
 
 def test_a_tree_thousands_of_levels_deep_is_cleaned_up(kind: str) -> None:

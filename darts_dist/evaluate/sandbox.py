@@ -104,10 +104,11 @@ for line in reader:
 """
 
 # The tests' side (check.py): the problem's own text first (HumanEval's helpers stay the problem's), then a stand-in
-# for each name the model's program defines (the entry point always), each call sent over the socket and its answer
-# read back as a literal; then the tests, then the marker, which only this process knows.
+# for each name the model's program defines (the entry point always; never a builtin's name, so `len` or
+# `AssertionError` in the tests stay Python's), each call sent over the socket and its answer read back as a literal;
+# then the tests, then the marker, which only this process knows.
 _CHECKER = """\
-import ast, keyword, socket, sys
+import ast, builtins, keyword, socket, sys
 channel = socket.socket(fileno=int(sys.argv[1]))
 reader, writer = channel.makefile("rb"), channel.makefile("wb")
 
@@ -140,7 +141,8 @@ namespace = {{"__name__": "__main__"}}
 exec(compile({setup!r}, "problem.py", "exec"), namespace)
 own = set(namespace) - {{{entry!r}}}
 for name in names:
-    if isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name) and name not in own:
+    if (isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name) and name not in own
+            and not hasattr(builtins, name)):
         namespace[name] = Remote(name)
 exec(compile({tests!r}, "tests.py", "exec"), namespace)
 print({marker!r})
