@@ -28,7 +28,7 @@ from darts_dist.config import (
 )
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import evaluation_tables
-from darts_dist.logs import VERBOSE_ENV, init_ray, quiet_library_progress, show_progress_logs
+from darts_dist.logs import VERBOSE_ENV, init_ray, keep_local_ray_on_loopback, quiet_library_progress, show_progress_logs
 from darts_dist.options import add_config_flags, apply_config_flags
 from darts_dist.redaction import redacted
 
@@ -379,6 +379,10 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    if not os.environ.get("RAY_ADDRESS") and "ray" not in sys.modules:
+        # The Ray node this command starts for itself keeps every listener on 127.0.0.1 (logs.LOOPBACK_RAY_ENV says
+        # why); only Serve's HTTP proxy follows --host.
+        keep_local_ray_on_loopback()
     from darts_dist.plan.check import check_serving
     from darts_dist.serve.access import resolve_api_key
     from darts_dist.serve.runner import run_foreground
@@ -389,7 +393,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = serve_settings(config, args.config, host=args.host, port=args.port, dtype=args.dtype)
     check_serving(source, config, settings, os.environ.get("RAY_ADDRESS"))
     api_key = resolve_api_key(args.api_key, args.api_key_file, settings.api_key_file)
-    run_foreground(source, settings, api_key, say=console.print, metrics=args.metrics)
+    run_foreground(source, settings, api_key, say=console.print)
 
 
 def cmd_serve_deploy(args: argparse.Namespace) -> None:
@@ -529,9 +533,6 @@ def _serving_commands(command: Command) -> None:
     deploy = command("serve-deploy", "deploy the same app onto a running Ray cluster and return (a Ray job's entry)",
                      cmd_serve_deploy)
     deploy.add_argument("--address", default=None, help="the cluster (default: RAY_ADDRESS, which a Ray job sets)")
-    serve.add_argument("--metrics", action="store_true",
-                       help="export Prometheus metrics from the Ray node this command starts (off by default: Ray's "
-                       "exporter listens on the machine's address, reachable from other machines)")
     for p in (serve, deploy):
         p.add_argument("model", metavar="MODEL_URI",
                        help="models:/NAME@ALIAS, models:/NAME/VERSION, a run folder, or a merged model folder")

@@ -141,6 +141,20 @@ def own_lines(lines: list[str]) -> list[str]:
     return [line for line in lines if _OWN_LINE.match(line)]
 
 
+# Ray's switch for a node of one machine, named for the laptops it was made for: set to 0 before Ray loads, a local
+# node takes 127.0.0.1 as its address, so its GCS, raylet, object manager, agents and Prometheus exporters listen
+# there; on Linux Ray otherwise turns a loopback node IP back into the machine's reachable address and they listen
+# where other machines reach them (ray._private.services.get_node_ip_address).
+LOOPBACK_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_local_ray_on_loopback() -> None:
+    """Before Ray loads in this process: a Ray node it starts listens on 127.0.0.1 alone (LOOPBACK_RAY_ENV)."""
+    if "ray" in sys.modules:
+        raise RuntimeError("keep_local_ray_on_loopback() after Ray loaded: its node address is already decided")
+    os.environ.setdefault(LOOPBACK_RAY_ENV, "0")
+
+
 def init_ray(**options: Any) -> None:
     """`ray.init(**options)` for a darts-dist command: unless verbose, Ray's own lines stay off the console.
 

@@ -89,13 +89,13 @@ def register_tiny_model(tiny_family, folder: Path) -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def server(tiny_family, tmp_path_factory: pytest.TempPathFactory):
     """`darts-dist serve models:/MODEL@champion` in its own process, until the last test stops it. The key comes as
-    --api-key, which works with a warning (it shows in `ps`); --metrics exports Prometheus metrics."""
+    --api-key, which works with a warning (it shows in `ps`)."""
     folder = tmp_path_factory.mktemp("serve")
     registry = register_tiny_model(tiny_family, folder)
     port = free_port()
     # Metrics exported every second instead of every ten, so the metrics test reads them soon.
     env = {"MLFLOW_TRACKING_URI": registry.uri, "RAY_metrics_report_interval_ms": "1000"}
-    with serve_process([f"models:/{MODEL}@champion", "--api-key", KEY, "--metrics"], folder, port, env) as process:
+    with serve_process([f"models:/{MODEL}@champion", "--api-key", KEY], folder, port, env) as process:
         lm = CorrectedLM.load(registry.merged_dir, registry.corrections, router_path=registry.router)
         base = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)

@@ -54,9 +54,7 @@ class EngineMetrics:
         self._stop.set()
 
 
-def metrics_url() -> str | None:
-    """Where Ray's metrics agent on this node exports Prometheus metrics, the replicas' darts_serve_* among them;
-    None where the node exports none (metrics collection off)."""
+def metrics_url() -> str:
+    """Where Ray's metrics agent on this node exports Prometheus metrics, the replicas' darts_serve_* among them."""
     node = next(n for n in ray.nodes() if n["Alive"] and n["NodeID"] == ray.get_runtime_context().get_node_id())
-    port = node.get("MetricsExportPort") or 0
-    return f"http://{node['NodeManagerAddress']}:{port}/metrics" if port > 0 else None
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"

@@ -72,27 +72,21 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_foreground(
-    source: ModelSource, settings: ServeSection, api_key: ApiKeys | None, say: Callable[[str], None] = print,
-    metrics: bool = False,
+    source: ModelSource, settings: ServeSection, api_key: ApiKeys | None, say: Callable[[str], None] = print
 ) -> None:
     """`darts-dist serve`: serve until Ctrl-C (or SIGTERM), then shut Serve down.
 
     On a cluster this process joined (RAY_ADDRESS) only the app is deleted; a cluster it started
-    itself is shut down with it. That cluster exports no Prometheus metrics unless `metrics`: Ray's exporter binds
-    the node's address (a loopback node IP is turned back into the machine's reachable one), so it would answer
-    other machines; only the command line asks for it, as only --host opens the server.
+    itself is shut down with it.
     """
     joined = ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
     if not ray.is_initialized():
-        init_ray(include_dashboard=False,
-                 **({} if metrics else {"_system_config": {"enable_metrics_collection": False}}))
+        init_ray(include_dashboard=False)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         url = start(source, settings, api_key)
         say(f"serving {source.name} at {url} (GET /v1/models lists the model ids; Ctrl-C stops)")
-        exported = metrics_url()
-        say(f"Prometheus metrics (darts_serve_* and Ray Serve's own) at {exported}" if exported else
-            "Prometheus metrics: off (--metrics exports them, on the machine's address)")
+        say(f"Prometheus metrics (darts_serve_* and Ray Serve's own) at {metrics_url()}")
         if follows(source, settings):
             say(f"following {source.alias} (version {source.version} now) every {settings.alias_poll_s:g} s")
         if settings.capture.enabled:
