@@ -138,6 +138,20 @@ def test_streamed_pieces_add_up_to_the_text_and_stop_before_a_stop_string(lm: Co
     assert cut.finished.completion.finish_reason == "stop"
 
 
+def test_a_stop_string_longer_than_the_text_so_far_is_held_back_whole(lm: CorrectedLM) -> None:
+    """Held back is the last len(stop) - 1 characters, and while the text is shorter than that, all of it: the
+    stream never hands out the beginning of a stop string that the full answer then cuts (stream == full)."""
+    [full] = lm.generate([MORE[0]], ["code"], max_new_tokens=20)
+    stop = full.text[3:18]
+    assert len(stop) == 15 and full.text.find(stop) == 3, full.text
+    listener = Collect()
+    batcher = ContinuousBatcher(lm, max_batch_size=1)
+    batcher.add(SequenceRequest(tuple(lm.encode(MORE[0])), "code", greedy(20, stop=(stop,)), stream=True), listener)
+    batcher.run_until_idle()
+    assert listener.finished.completion.text == full.text[:3]
+    assert "".join(listener.pieces) == full.text[:3]
+
+
 def counts(batcher: ContinuousBatcher) -> tuple[int, int, int]:
     stats = batcher.stats()
     return stats.waiting, stats.running, stats.generated_tokens

@@ -63,7 +63,9 @@ class SequenceText:
         if hits:
             self.text = text[: min(hits)]
             return "", "stop"
-        final = text[: len(text) - self.hold].rstrip("\ufffd")
+        # The last `hold` characters wait (a stop string may begin there); a text shorter than that waits whole: a
+        # negative end would hand out its beginning, which a stop string may still take.
+        final = text[: max(0, len(text) - self.hold)].rstrip("\ufffd")
         delta = ""
         if len(final) > len(self.sent) and final.startswith(self.sent):
             delta, self.sent = final[len(self.sent):], final
