@@ -451,7 +451,7 @@ class ServeSection(_Section):
     # among them, stays within max_batch_tokens (about 46 kB a token for SmolLM2-135M in fp32: 16384 hold 0.75 GB).
     max_batch_size: PositiveInt = 32
     max_batch_tokens: PositiveInt = 16384
-    # Prompt prefixes (a system prompt, a chat template's opening) whose keys and values are kept, per
+    # Prompt prefixes (a system prompt, a chat template's opening) whose keys and values are kept, per API key and
     # correction, so that a prompt starting the same way is prefilled from where they end; 0: none.
     prefix_cache_tokens: int = Field(default=PREFIX_CACHE_TOKENS, ge=0)
     use_gpu: bool = False  # one GPU per replica

@@ -327,6 +327,25 @@ def test_a_cached_prompt_prefix_gives_the_same_text_as_computing_it(lm: Correcte
     assert corrected.corrects_kv == (layers != ["final"])
 
 
+def test_a_clients_cached_prefix_is_its_own(lm: CorrectedLM) -> None:
+    """With a cache salt per client (the server's API key names), a prompt prefix one client sent is found again
+    for that client only: another client's same prompt computes it (no hit its timing could show), and gives the
+    same text."""
+    prompt = tuple(lm.encode("You are a careful assistant. Answer briefly and exactly. " * 3 + MORE[0]))
+    batcher = ContinuousBatcher(lm, max_batch_size=1)
+    hits, texts = [], []
+    for salt in ("alice", "alice", "bob", None, None):
+        listener = Collect()
+        before = batcher.stats().cached_prompt_tokens
+        batcher.add(SequenceRequest(prompt, "code", greedy(4), cache_salt=salt), listener)
+        batcher.run_until_idle()
+        hits.append(batcher.stats().cached_prompt_tokens - before)
+        texts.append(listener.finished.completion.text)
+    whole = (len(prompt) - 1) // PREFIX_BLOCK * PREFIX_BLOCK  # every block short of the last token
+    assert hits == [0, whole, 0, 0, whole]  # bob's first, and the keyless first, computed their own
+    assert len(set(texts)) == 1
+
+
 def test_joiners_with_cached_prefixes_of_other_lengths_prefill_apart_within_their_prompts(lm: CorrectedLM) -> None:
     """One forward per cached length: a row never carries another's cached prefix or rest, so no prefill is wider
     than its longest prompt (one forward for all was up to twice that, past the token budget); texts are exact."""

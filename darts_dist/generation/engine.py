@@ -38,7 +38,7 @@ from transformers.cache_utils import DynamicCache
 from darts_dist.config import PREFIX_CACHE_TOKENS
 from darts_dist.core import mask_positions, token_batch
 from darts_dist.errors import DartsError
-from darts_dist.generation.kv_cache import (BatchCache, LayerKV, PrefixCache, cache_with_past, check_full_attention,
+from darts_dist.generation.kv_cache import (BatchCache, CacheScope, LayerKV, PrefixCache, cache_with_past, check_full_attention,
                                             left_align)
 from darts_dist.generation.sampling import new_generator, next_tokens
 from darts_dist.generation.text import Completion, SequenceText
@@ -61,12 +61,14 @@ class Sampling:
 @dataclass(frozen=True)
 class SequenceRequest:
     """One sequence to generate: prompt tokens, its task (None: uncorrected, "auto": routed), its settings;
-    `stream` asks for its text as it becomes final."""
+    `stream` asks for its text as it becomes final; `cache_salt` scopes its prompt's prefix-cache blocks (the API
+    key's client: one client cannot learn from timing whether another sent a prefix; None: shared)."""
 
     ids: tuple[int, ...]
     task: str | None
     sampling: Sampling
     stream: bool = False
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class _Sequence:
         return self.request.ids + tuple(self.text.tokens)
 
 
-_Joiner = tuple[_Sequence, tuple[float, ...] | None, LayerKV | None]  # a sequence, its correction key, its cached KV
+_Joiner = tuple[_Sequence, CacheScope, LayerKV | None]  # a sequence, its prefix-cache scope, its cached KV
 
 
 class ContinuousBatcher:
@@ -386,11 +388,12 @@ class ContinuousBatcher:
         groups: dict[int, list[_Joiner]] = {}
         for sequence in joining:
             sequence.length = len(sequence.prompt)
-            # The prefix cache's key: the correction, where it changes the keys and values.
+            # The prefix cache's scope: the client's salt, and the correction where it changes the keys and values.
             correction = (tuple(sequence.weights.tolist()) if sequence.weights is not None and self.lm.corrects_kv
                           else None)
-            cached, kv = self.prefixes.lookup(correction, sequence.prompt)
-            groups.setdefault(cached, []).append((sequence, correction, kv))
+            scope = (sequence.request.cache_salt, correction)
+            cached, kv = self.prefixes.lookup(scope, sequence.prompt)
+            groups.setdefault(cached, []).append((sequence, scope, kv))
             if sequence in fresh:
                 self.cached_prompt_tokens += cached
         for cached, group in groups.items():  # a failed forward fails its own group only
@@ -408,10 +411,10 @@ class ContinuousBatcher:
             mask = torch.cat([mask.new_ones(len(group), cached), mask], dim=1)
         cache = cache_with_past(self.lm.model.config, past)
         logits = self._forward(input_ids, mask, positions, cache, sequences)
-        for row, (sequence, correction, _) in enumerate(group):
+        for row, (sequence, scope, _) in enumerate(group):
             if sequence in fresh and self.prefixes.keeps(sequence.prompt):  # prompts only, not what was generated
                 columns = mask[row].nonzero().squeeze(1).to(self.device)
-                self.prefixes.store(correction, sequence.prompt, [(layer.keys[row][:, columns],
+                self.prefixes.store(scope, sequence.prompt, [(layer.keys[row][:, columns],
                                                                    layer.values[row][:, columns])
                                                                   for layer in cache.layers])
         if past is not None:  # no holes between a cached prefix and the rest of its prompt in the batch

@@ -100,9 +100,12 @@ class BatchCache:
 
 # Prompt prefixes are cached in blocks of this many tokens: smaller blocks hit more of a shared prefix.
 PREFIX_BLOCK = 8
-# The key of a block: the correction weights its keys and values were computed under (None: none), and every
-# prompt token up to the block's end, since a block's keys and values depend on all of them.
-BlockKey = tuple[tuple[float, ...] | None, tuple[int, ...]]
+# What a block is kept for: the client's salt (None: shared) and the correction weights its keys and values were
+# computed under (None: none).
+CacheScope = tuple[str | None, tuple[float, ...] | None]
+# The key of a block: its scope, and every prompt token up to the block's end, since a block's keys and values
+# depend on all of them.
+BlockKey = tuple[CacheScope, tuple[int, ...]]
 LayerKV = list[tuple[Tensor, Tensor]]  # per layer: keys, values [heads, tokens, head_dim]
 
 
@@ -111,24 +114,25 @@ class PrefixCache:
     opening), in blocks of PREFIX_BLOCK tokens, at most `max_tokens` of them, least recently used out first.
 
     A prompt's cached part is its longest run of cached blocks from its start, short of its last token (the
-    prefill must compute the last token's logits). Blocks are kept per correction where the correction changes
-    the keys and values (one at a decoder layer); a final-layer correction shares the uncorrected blocks.
+    prefill must compute the last token's logits). Blocks are kept per scope: per client salt, and per correction
+    where the correction changes the keys and values (one at a decoder layer); a final-layer correction shares the
+    uncorrected blocks.
     """
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self.blocks: OrderedDict[BlockKey, LayerKV] = OrderedDict()
 
-    def lookup(self, correction: tuple[float, ...] | None, ids: tuple[int, ...]) -> tuple[int, LayerKV | None]:
+    def lookup(self, scope: CacheScope, ids: tuple[int, ...]) -> tuple[int, LayerKV | None]:
         """How many leading tokens of `ids` are cached, and their keys and values per layer (None if none)."""
         found: list[LayerKV] = []
         end = PREFIX_BLOCK
-        while end < len(ids) and (block := self.blocks.get((correction, ids[:end]))) is not None:
+        while end < len(ids) and (block := self.blocks.get((scope, ids[:end]))) is not None:
             found.append(block)
             end += PREFIX_BLOCK
         if not found:
             return 0, None
-        self._touch(correction, ids, len(found))
+        self._touch(scope, ids, len(found))
         return len(found) * PREFIX_BLOCK, [(torch.cat([b[layer][0] for b in found], dim=1),
                                             torch.cat([b[layer][1] for b in found], dim=1))
                                            for layer in range(len(found[0]))]
@@ -137,23 +141,23 @@ class PrefixCache:
         """Whether `store` would keep any block of this prompt."""
         return self.max_tokens >= PREFIX_BLOCK and len(ids) > PREFIX_BLOCK
 
-    def store(self, correction: tuple[float, ...] | None, ids: tuple[int, ...], kv: LayerKV) -> None:
+    def store(self, scope: CacheScope, ids: tuple[int, ...], kv: LayerKV) -> None:
         """Keep the blocks of a prefilled prompt (`kv`: its tokens' keys and values per layer, in order)."""
         blocks = (len(ids) - 1) // PREFIX_BLOCK
         for index in range(blocks):
-            key = (correction, ids[:(index + 1) * PREFIX_BLOCK])
+            key = (scope, ids[:(index + 1) * PREFIX_BLOCK])
             if key not in self.blocks:
                 cut = slice(index * PREFIX_BLOCK, (index + 1) * PREFIX_BLOCK)
                 # Copies: a view would keep the whole batch's cache alive.
                 self.blocks[key] = [(keys[:, cut].clone(), values[:, cut].clone()) for keys, values in kv]
-        self._touch(correction, ids, blocks)
+        self._touch(scope, ids, blocks)
         while len(self.blocks) * PREFIX_BLOCK > self.max_tokens:
             self.blocks.popitem(last=False)
 
-    def _touch(self, correction: tuple[float, ...] | None, ids: tuple[int, ...], blocks: int) -> None:
+    def _touch(self, scope: CacheScope, ids: tuple[int, ...], blocks: int) -> None:
         # The first block most recently: a chain is evicted from its end, never cut at its start.
         for index in reversed(range(blocks)):
-            self.blocks.move_to_end((correction, ids[:(index + 1) * PREFIX_BLOCK]))
+            self.blocks.move_to_end((scope, ids[:(index + 1) * PREFIX_BLOCK]))
 
 
 def cache_with_past(config: PretrainedConfig, past: LayerKV | None) -> DynamicCache:

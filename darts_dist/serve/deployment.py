@@ -213,7 +213,7 @@ class DartsServer:
         # Greedy decoding ignores top_p and the seed.
         sampling = Sampling(max_tokens, temperature, 1.0 if temperature == 0 else body.top_p or 1.0,
                             body.stop_strings, None if temperature == 0 else body.seed, body.ignore_eos)
-        requests = [SequenceRequest(tuple(ids), task, sampling, body.stream) for ids in encoded]
+        requests = [SequenceRequest(tuple(ids), task, sampling, body.stream, cache_salt=client) for ids in encoded]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
         def keep(index: int, completion: Completion) -> None:  # a finished sequence's prompt, when capturing
