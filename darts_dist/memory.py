@@ -44,20 +44,29 @@ class PeakMemory:
             self.baseline = torch.cuda.memory_allocated(self.device)
             return
         self.baseline = self.highest = resident_bytes()
+        # The sampler and `peak` both raise `highest`: unlocked, one could write back a maximum taken before the
+        # other's higher one (a lost update: the peak went down after a tensor was freed).
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         threading.Thread(target=self._sample, daemon=True, name="peak-memory").start()
 
+    def _observe(self) -> int:
+        """`highest`, raised to the resident memory now."""
+        now = resident_bytes()
+        with self._lock:
+            self.highest = max(self.highest, now)
+            return self.highest
+
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            self.highest = max(self.highest, resident_bytes())
+            self._observe()
 
     def peak(self) -> int:
         if self.cuda:
             import torch
 
             return torch.cuda.max_memory_allocated(self.device) - self.baseline
-        self.highest = max(self.highest, resident_bytes())
-        return self.highest - self.baseline
+        return self._observe() - self.baseline
 
     def stop(self) -> int:
         """The peak; the sampling stops (a role done with its work)."""
