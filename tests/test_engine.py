@@ -3,6 +3,7 @@ against transformers' own generate() and against each sequence generated alone."
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -252,8 +253,19 @@ def test_bad_settings_are_refused(lm: CorrectedLM) -> None:
 
 
 def test_the_engine_thread_serves_submissions_from_other_threads(lm: CorrectedLM) -> None:
-    engine = EngineThread(ContinuousBatcher(lm, max_batch_size=4))
+    threads = {}
+
+    def build() -> ContinuousBatcher:
+        threads["build"] = threading.current_thread()
+        batcher = ContinuousBatcher(lm, max_batch_size=4)
+        step = batcher.step
+        batcher.step = lambda: (threads.setdefault("step", set()).add(threading.current_thread()), step())[1]
+        return batcher
+
+    engine = EngineThread(build)
     try:
+        # The batcher (a server's model load) is built on the thread that steps it: one thread does the torch work.
+        assert threads["build"] is engine._thread and threads["build"] is not threading.current_thread()
         listeners = [Collect() for _ in MORE]
         for prompt, listener in zip(MORE, listeners):
             engine.submit([SequenceRequest(tuple(lm.encode(prompt)), "math", greedy(6))], [listener])
@@ -263,11 +275,21 @@ def test_the_engine_thread_serves_submissions_from_other_threads(lm: CorrectedLM
             time.sleep(0.01)
         assert [listener.finished.completion for listener in listeners] == lm.generate(MORE, ["math"] * 4,
                                                                                         max_new_tokens=6)
-        assert engine.stats().running == 0
+        assert engine.stats().running == 0 and threads["step"] == {engine._thread}
     finally:
         engine.close()
     with pytest.raises(EngineStopped):  # nothing would ever answer it
         engine.submit([SequenceRequest(tuple(lm.encode(MORE[0])), None, greedy(2))], [Collect()])
+
+
+def test_an_engine_whose_model_fails_to_load_raises_where_it_was_started() -> None:
+    def build() -> ContinuousBatcher:
+        raise DartsError("no such model")
+
+    before = threading.active_count()
+    with pytest.raises(DartsError, match="no such model"):
+        EngineThread(build)
+    assert threading.active_count() == before  # its thread ended
 
 
 def test_top_p_keeps_the_smallest_set_of_tokens_reaching_the_mass() -> None:

@@ -93,11 +93,20 @@ class DartsServer:
         if warning:
             logger.warning(warning)
         self.memory = PeakMemory(device)  # what the model, its caches and its batches hold, for the plan's comparison
-        self.lm = CorrectedLM.load(
-            files.merged_dir, files.corrections, device=device, dtype=model_dtype(settings.dtype, device),
-            router_path=files.router, threshold=settings.router_threshold,
-            soft_routing=settings.routing == "soft",
-        )
+
+        def engine() -> ContinuousBatcher:
+            lm = CorrectedLM.load(
+                files.merged_dir, files.corrections, device=device, dtype=model_dtype(settings.dtype, device),
+                router_path=files.router, threshold=settings.router_threshold,
+                soft_routing=settings.routing == "soft",
+            )
+            return ContinuousBatcher(lm, settings.max_batch_size, settings.max_batch_tokens,
+                                     settings.prefix_cache_tokens, max_waiting=settings.max_waiting_sequences)
+
+        # One engine thread, which loads the model too (EngineThread: the replica's torch work on one thread); one,
+        # since the model's correction hooks hold one forward's task weights at a time.
+        self.engine: Engine = EngineThread(engine)
+        self.lm = self.engine.batcher.lm
         self.name = source.name
         self.version = source.version
         self.ids = model_ids(source.name, self.lm.tasks, self.lm.router is not None)
@@ -105,10 +114,6 @@ class DartsServer:
         self.context = int(self.lm.model.config.max_position_embeddings)
         self.api_key = api_key
         self.created = int(time.time())
-        # One engine thread: the model's correction hooks hold one forward's task weights at a time.
-        self.engine: Engine = EngineThread(ContinuousBatcher(
-            self.lm, settings.max_batch_size, settings.max_batch_tokens, settings.prefix_cache_tokens,
-            max_waiting=settings.max_waiting_sequences))
         self.metrics = EngineMetrics(self.engine)
         self.capture = TrafficCapture(settings.capture) if settings.capture.enabled else None
         self.load_s = time.monotonic() - started

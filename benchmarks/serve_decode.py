@@ -1,0 +1,184 @@
+"""serve_decode: what the server adds to the forward it runs, and what a long prompt does to the streams beside it.
+
+In one run, on the demo merge (SmolLM2-135M-Instruct, corrections of the demo's shape; `--tiny`: the tiny family):
+1. The model's own decode rate: plain transformers, greedy, one forward per token for a batch of 1, 8 and 32 copies
+   of a short prompt, `--max-tokens` tokens each, with a preallocated cache (StaticCache) and with the growing one
+   (DynamicCache); the faster of the two is the baseline.
+2. The server's: `darts-dist serve` in its own process (every core, as a serving machine gives it), C clients each
+   sending greedy completions of `--max-tokens` tokens (`ignore_eos`) back to back to a corrected model id, for C in
+   1, 8 and 32: generated tokens/s against the model's own rate at batch C (target: ≥ 0.9× at 1, ≥ 0.85× at 32).
+3. Time to first token of short streamed prompts, one after another, while 31 streams decode beside them: alone
+   (the baseline) and while a `--long-tokens` prompt joins and prefills (target: p99 ≤ 2× the baseline's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from common import demo_setup, emit, note, parser
+from serve_load import Spec, send, serving
+from serve_overhead import random_corrections, task_prompts
+from transformers.cache_utils import DynamicCache, StaticCache
+
+from darts_dist.sources.models import load_causal_lm, load_tokenizer
+
+BATCHES = (1, 8, 32)
+STREAMS = 31  # running beside the short prompts in part 3
+
+
+@torch.inference_mode()
+def model_rate(model, prompt: list[int], batch: int, tokens: int, static: bool) -> float:
+    """Tokens/s of greedy decoding `tokens` tokens for `batch` copies of `prompt`, the prefill not counted."""
+    ids = torch.tensor([prompt] * batch)
+    if static:
+        cache = StaticCache(config=model.config, max_cache_len=len(prompt) + tokens)
+        logits = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(len(prompt)),
+                       logits_to_keep=1).logits
+    else:
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
+    started = time.perf_counter()
+    for step in range(tokens - 1):
+        next_ids = logits[:, -1].argmax(-1, keepdim=True)
+        position = {"cache_position": torch.tensor([len(prompt) + step])} if static else {}
+        logits = model(input_ids=next_ids, past_key_values=cache, logits_to_keep=1, **position).logits
+    return batch * (tokens - 1) / (time.perf_counter() - started)
+
+
+def completion(model_id: str, prompt: str, max_tokens: int, stream: bool = False) -> Spec:
+    body = {"model": model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    return Spec("/v1/completions", json.dumps(body).encode(), valid=True, stream=stream)
+
+
+def server_rate(base: str, spec: Spec, clients: int, per_client: int, tokens: int) -> float:
+    """Generated tokens/s of `clients` clients each sending `per_client` requests back to back."""
+    def client(_: int) -> None:
+        for _ in range(per_client):
+            outcome, _, _ = send(base, spec, None, 600)
+            if outcome != "ok":
+                raise RuntimeError(f"a request came back {outcome}")
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    return clients * per_client * tokens / (time.perf_counter() - started)
+
+
+def first_tokens(base: str, spec: Spec, until: threading.Event | None, count: int) -> list[float]:
+    """Seconds to the first text of short streamed prompts sent one after another: `count` of them, or while
+    `until` is not set (at least one)."""
+    seconds = []
+    while len(seconds) < count if until is None else not (until.is_set() and seconds):
+        outcome, _, first = send(base, spec, None, 600)
+        if outcome != "ok" or first is None:
+            raise RuntimeError(f"a short prompt came back {outcome}")
+        seconds.append(first)
+    return seconds
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
+
+
+def beside_long_prompt(base: str, model_id: str, short: str, long: str, args) -> list[dict]:
+    """Part 3: 31 streams decoding, short prompts' first tokens without and then with a long prompt prefilling."""
+    short_spec = completion(model_id, short, 1, stream=True)
+    running = threading.Event()
+    streams = ThreadPoolExecutor(STREAMS)
+    # Long enough to outlast both measurements: they run while every stream decodes.
+    futures = [streams.submit(send, base, completion(model_id, short, args.stream_tokens, stream=True), None, 900)
+               for _ in range(STREAMS)]
+    try:
+        time.sleep(args.settle)  # every stream past its prefill, decoding
+        alone = first_tokens(base, short_spec, None, args.short)
+        done = threading.Event()
+        long_reply: list[tuple] = []
+
+        def long_request() -> None:
+            long_reply.append(send(base, completion(model_id, long, 1, stream=True), None, 900))
+            done.set()
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        beside = first_tokens(base, short_spec, done, 0)
+        thread.join()
+        running.set()
+        if any(f.done() for f in futures):
+            note("warning: a stream ended before the measurements did (raise --stream-tokens)")
+    finally:
+        streams.shutdown(wait=True)
+    outcome, long_seconds, long_first = long_reply[0]
+    if outcome != "ok":
+        raise RuntimeError(f"the long prompt came back {outcome}")
+    return [{"name": "serve_decode.ttft_beside_long_prompt_p99", "value": p99(beside), "baseline": p99(alone),
+             "unit": "s", "target_ratio": 2.0, "short_prompts": {"alone": len(alone), "beside": len(beside)},
+             "p50": {"alone": statistics.median(alone), "beside": statistics.median(beside)},
+             "long_prompt_ttft_s": long_first, "streams": STREAMS}]
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0], samples=128, steps=400)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per completion (ignore_eos)")
+    p.add_argument("--requests", type=int, default=2, help="requests per client in part 2")
+    p.add_argument("--concurrency", type=int, nargs="+", default=list(BATCHES))
+    p.add_argument("--long-tokens", type=int, default=2000, help="the long prompt's tokens in part 3")
+    p.add_argument("--short", type=int, default=10, help="short prompts measured alone in part 3")
+    p.add_argument("--stream-tokens", type=int, default=512, help="each running stream's tokens in part 3")
+    p.add_argument("--settle", type=float, default=5.0, help="seconds for part 3's streams to start decoding")
+    p.add_argument("--skip-long", action="store_true", help="parts 1 and 2 only")
+    args = p.parse_args()
+    config, sources, merged_dir = demo_setup("serve-decode", args)
+    corrections = random_corrections(config, merged_dir)
+    tokenizer = load_tokenizer(merged_dir)
+    prompt = task_prompts(config, sources, merged_dir, per_task=1)[0][1]
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    model_name = "tiny" if args.tiny else "SmolLM2-135M-Instruct demo merge"
+    torch.set_num_threads(os.cpu_count() or 1)  # the replica's threads: every core
+    model = load_causal_lm(merged_dir)
+    floor = {}
+    for batch in sorted(set(args.concurrency)):
+        rates = {kind: model_rate(model, prompt_ids, batch, args.max_tokens, kind == "static")
+                 for kind in ("static", "dynamic")}
+        floor[batch] = max(rates.values())
+        note(f"model, batch {batch}: {rates}")
+        emit(f"serve_decode.model_b{batch}", floor[batch], floor[batch], "tokens/s", rates=rates,
+             prompt_tokens=len(prompt_ids), max_tokens=args.max_tokens, model=model_name)
+    del model
+    model_id = f"demo:{config.tasks[0]}"
+    with tempfile.TemporaryDirectory(prefix="serve-decode-") as scratch:
+        folder = Path(scratch)
+        yaml_path = folder / "serve.yaml"
+        # Room for 32 streams and a long prompt beside them.
+        yaml_path.write_text(json.dumps({
+            "sources": {"base": "unused", "experts": [{"task": t, "path": "unused"} for t in config.tasks]},
+            "serve": {"num_cpus": os.cpu_count() or 1, "max_batch_size": 32, "max_ongoing_requests": 64,
+                      "max_batch_tokens": 65536, "max_tokens_limit": max(512, args.stream_tokens)}}))
+        note("starting darts-dist serve")
+        with serving([str(merged_dir), "--corrections", str(corrections), "--name", "demo"], yaml_path, folder) as base:
+            spec = completion(model_id, prompt, args.max_tokens)
+            server_rate(base, spec, 1, 1, args.max_tokens)  # warm-up: first calls pay one-off costs
+            for clients in args.concurrency:
+                rate = server_rate(base, spec, clients, args.requests, args.max_tokens)
+                note(f"server, {clients} clients: {rate:.1f} tokens/s")
+                emit(f"serve_decode.server_c{clients}", rate, floor[clients], "tokens/s",
+                     target_ratio=0.9 if clients == 1 else 0.85, requests=clients * args.requests,
+                     max_tokens=args.max_tokens, model=model_name)
+            if not args.skip_long:
+                long = " ".join([prompt] * (args.long_tokens // len(prompt_ids) + 1))
+                long = tokenizer.decode(tokenizer(long)["input_ids"][:args.long_tokens])
+                for line in beside_long_prompt(base, model_id, prompt, long, args):
+                    emit(line.pop("name"), line.pop("value"), line.pop("baseline"), line.pop("unit"), model=model_name,
+                         **line)
+
+
+if __name__ == "__main__":
+    main()
