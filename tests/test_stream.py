@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +69,25 @@ def test_expert_actor_rows_are_the_experts_targets_on_real_tokens(tiny_family, c
             sent = out[target_column(layer)][i]
             assert sent.dtype == np.float32 and sent.shape == (length, expert.config.hidden_size)
             torch.testing.assert_close(torch.from_numpy(sent), hidden[layer][i, :length], atol=1e-5, rtol=1e-5)
+
+
+def test_an_expert_actor_loads_and_runs_its_model_on_one_thread_of_its_own(tiny_family, code_set, monkeypatch) -> None:
+    """Ray calls an actor's constructor and its batches from different threads; the model's load, thread count and
+    forwards all run on the actor's torch thread (cpu_share.TorchThread: libgomp's teams)."""
+    from darts_dist.calibrate import features
+    from darts_dist.sources import models
+
+    threads = []
+    for module, name in ((models, "load_causal_lm"), (features, "expert_targets"), (torch, "set_num_threads")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: (threads.append(threading.current_thread()),
+                                                                        real(*a, **k))[1])
+    actor = ExpertStream(str(tiny_family.experts["code"]), [1], "float32", "cpu", cpu=("concurrent", 1))
+    rows = source_rows(code_set)
+    batch = {name: _column([row[name] for row in rows]) for name in rows[0]}
+    with concurrent.futures.ThreadPoolExecutor(1) as caller:  # as Ray Data's map worker calls it
+        caller.submit(actor, batch).result()
+    assert len(threads) == 3 and len(set(threads)) == 1 and threads[0] is not threading.current_thread()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -30,7 +30,7 @@ from ray.actor import ActorHandle
 from darts_dist.config import CalibrationSection, ClusterSection, CpuSchedule
 from darts_dist.fanin import fan_in
 from darts_dist.memory import PeakMemory
-from darts_dist.ray_cluster.cpu_share import ForwardTurn, cpu_share, node_cores, take_share
+from darts_dist.ray_cluster.cpu_share import ForwardTurn, TorchThread, cpu_share, node_cores, take_share
 from darts_dist.ray_cluster.placement import expert_actor_options, gpu_ids
 
 if TYPE_CHECKING:
@@ -118,9 +118,22 @@ class ExpertStream:
         wire_dtype: str = "auto",
     ) -> None:
         from darts_dist.logs import show_progress_logs
-        from darts_dist.sources.models import load_causal_lm, model_compute, model_dtype, resolve_device
 
         show_progress_logs()  # this actor's own process: its lines reach the driver's console through Ray
+        self.torch = TorchThread("expert")  # Ray calls __call__ from another thread than this constructor's
+        self.torch.run(self._load, model_path, dtype, device, cpu, wire_dtype)
+        self.layers = list(layers)
+        self.fail_after_batches = fail_after_batches
+        self.window = window  # the job's StreamWindow: a batch waits until its tokens fit in its task's window
+        self.batches = 0
+        # Each row says where it was made. Outside Ray (the actor's class used directly) there is no
+        # node, and asking the runtime context for one would start a Ray session as a side effect.
+        self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+        self.gpus = gpu_ids() if ray.is_initialized() else ""
+
+    def _load(self, model_path: str, dtype: str, device: str, cpu: tuple[CpuSchedule, int] | None,
+              wire_dtype: str) -> None:
+        from darts_dist.sources.models import load_causal_lm, model_compute, model_dtype, resolve_device
 
         # "auto" resolves inside the actor: one that Ray gave a GPU uses it, one without stays on the CPU.
         self.device = resolve_device(device)
@@ -139,35 +152,32 @@ class ExpertStream:
         self.compute = model_compute(self.model)
         self.wire_dtype = CalibrationSection(dtype=dtype, wire_dtype=wire_dtype).wire_dtype_for(
             self.model.config.hidden_size, on_gpu=self.device.type == "cuda")
-        self.layers = list(layers)
-        self.fail_after_batches = fail_after_batches
-        self.window = window  # the job's StreamWindow: a batch waits until its tokens fit in its task's window
-        self.batches = 0
-        # Each row says where it was made. Outside Ray (the actor's class used directly) there is no
-        # node, and asking the runtime context for one would start a Ray session as a side effect.
-        self.node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
-        self.gpus = gpu_ids() if ray.is_initialized() else ""
 
     def __call__(self, batch: Batch) -> Batch:
-        from darts_dist.calibrate.features import expert_targets
-
         self._maybe_fail()
         lengths = [len(ids) for ids in batch["input_ids"]]
         if self.window is not None:
             ray.get(self.window.enter.remote(str(batch["task"][0]), [int(row) for row in batch["row"]], lengths))
+        rows = {name: batch[name] for name in ("task", "row", *TOKEN_FIELDS)}
+        rows["node"] = np.full(len(lengths), self.node, dtype=object)
+        rows["gpus"] = np.full(len(lengths), self.gpus, dtype=object)
+        rows.update(self.torch.run(self._targets, batch, lengths))
+        self.batches += 1
+        return rows
+
+    def _targets(self, batch: Batch, lengths: list[int]) -> Batch:
+        """The expert's columns of a batch: its entropy and hidden states, its memory and compute so far."""
+        from darts_dist.calibrate.features import expert_targets
+
         ids = token_column(batch["input_ids"]).to(self.device)
         mask = token_column(batch["attention_mask"]).to(self.device)
         with self.turn:
             hidden, entropy = expert_targets(self.model, ids, mask, self.layers)
-        rows = {name: batch[name] for name in ("task", "row", *TOKEN_FIELDS)}
-        rows["node"] = np.full(len(lengths), self.node, dtype=object)
-        rows["gpus"] = np.full(len(lengths), self.gpus, dtype=object)
-        rows["memory"] = np.full(len(lengths), self.memory.peak(), dtype=np.int64)
-        rows["compute"] = np.full(len(lengths), self.compute, dtype=object)
-        rows["entropy"] = _ragged(entropy.cpu().numpy(), lengths)
+        rows = {"memory": np.full(len(lengths), self.memory.peak(), dtype=np.int64),
+                "compute": np.full(len(lengths), self.compute, dtype=object),
+                "entropy": _ragged(entropy.cpu().numpy(), lengths)}
         for layer in self.layers:
             rows[target_column(layer)] = _ragged(to_wire(hidden[layer], self.wire_dtype), lengths)
-        self.batches += 1
         return rows
 
     def _maybe_fail(self) -> None:
