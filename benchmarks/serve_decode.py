@@ -1,10 +1,12 @@
 """serve_decode: what the server adds to the forward it runs, and what a long prompt does to the streams beside it.
 
 In one run, on the demo merge (SmolLM2-135M-Instruct, corrections of the demo's shape; `--tiny`: the tiny family):
-1. The model's own decode rate: plain transformers, greedy, one forward per token for a batch of 1, 8 and 32 copies
-   of a short prompt, `--max-tokens` tokens each, with a preallocated cache (StaticCache) and with the growing one
-   (DynamicCache); the faster of the two is the baseline.
-2. The server's: `darts-dist serve` in its own process (every core, as a serving machine gives it), C clients each
+1. The model's own rate: plain transformers generating greedily for a batch of 1, 8 and 32 copies of a short prompt,
+   `--max-tokens` tokens each (the prompt's prefill, then one forward per token: the server's work for the same
+   requests), with a preallocated cache (StaticCache) and with the growing one (DynamicCache); the faster of the
+   two is the baseline.
+2. The engine's (generation.engine's ContinuousBatcher in this process, corrected, no HTTP: the batch all at once)
+   against the model's; then the server's: `darts-dist serve` in its own process (every core, as a serving machine gives it), C clients each
    sending greedy completions of `--max-tokens` tokens (`ignore_eos`) back to back to a corrected model id, for C in
    1, 8 and 32: generated tokens/s against the model's own rate at batch C (target: ≥ 0.9× at 1, ≥ 0.85× at 32).
 3. Time to first token of short streamed prompts, one after another, while 31 streams decode beside them: alone
@@ -28,6 +30,7 @@ from serve_load import Spec, send, serving
 from serve_overhead import random_corrections, task_prompts
 from transformers.cache_utils import DynamicCache, StaticCache
 
+from darts_dist.generation import ContinuousBatcher, CorrectedLM, Sampling, SequenceRequest
 from darts_dist.sources.models import load_causal_lm, load_tokenizer
 
 BATCHES = (1, 8, 32)
@@ -36,8 +39,10 @@ STREAMS = 31  # running beside the short prompts in part 3
 
 @torch.inference_mode()
 def model_rate(model, prompt: list[int], batch: int, tokens: int, static: bool) -> float:
-    """Tokens/s of greedy decoding `tokens` tokens for `batch` copies of `prompt`, the prefill not counted."""
+    """Tokens/s of `batch` copies of `prompt` generating `tokens` tokens each, greedy: the prompt's prefill and one
+    forward per token after it, the work a server does for the same requests."""
     ids = torch.tensor([prompt] * batch)
+    started = time.perf_counter()
     if static:
         cache = StaticCache(config=model.config, max_cache_len=len(prompt) + tokens)
         logits = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(len(prompt)),
@@ -45,12 +50,22 @@ def model_rate(model, prompt: list[int], batch: int, tokens: int, static: bool) 
     else:
         cache = DynamicCache(config=model.config)
         logits = model(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
-    started = time.perf_counter()
     for step in range(tokens - 1):
         next_ids = logits[:, -1].argmax(-1, keepdim=True)
         position = {"cache_position": torch.tensor([len(prompt) + step])} if static else {}
         logits = model(input_ids=next_ids, past_key_values=cache, logits_to_keep=1, **position).logits
-    return batch * (tokens - 1) / (time.perf_counter() - started)
+    return batch * tokens / (time.perf_counter() - started)
+
+
+def engine_rate(lm: CorrectedLM, prompt: list[int], task: str, batch: int, tokens: int) -> float:
+    """Tokens/s of the server's engine in this process, no HTTP: `batch` greedy sequences submitted at once."""
+    batcher = ContinuousBatcher(lm, max_batch_size=batch)
+    request = SequenceRequest(tuple(prompt), task, Sampling(max_tokens=tokens, ignore_eos=True))
+    started = time.perf_counter()
+    for _ in range(batch):
+        batcher.add(request, lambda event: None)
+    batcher.run_until_idle()
+    return batch * tokens / (time.perf_counter() - started)
 
 
 def completion(model_id: str, prompt: str, max_tokens: int, stream: bool = False) -> Spec:
@@ -153,6 +168,13 @@ def main() -> None:
         emit(f"serve_decode.model_b{batch}", floor[batch], floor[batch], "tokens/s", rates=rates,
              prompt_tokens=len(prompt_ids), max_tokens=args.max_tokens, model=model_name)
     del model
+    # The same engine without the server around it: what is left of the gap is the engine's own.
+    with CorrectedLM.load(merged_dir, corrections) as lm:
+        for batch in sorted(set(args.concurrency)):
+            rate = engine_rate(lm, prompt_ids, config.tasks[0], batch, args.max_tokens)
+            note(f"engine, batch {batch}: {rate:.1f} tokens/s")
+            emit(f"serve_decode.engine_b{batch}", rate, floor[batch], "tokens/s", max_tokens=args.max_tokens,
+                 model=model_name)
     model_id = f"demo:{config.tasks[0]}"
     with tempfile.TemporaryDirectory(prefix="serve-decode-") as scratch:
         folder = Path(scratch)
