@@ -454,6 +454,11 @@ class ServeSection(_Section):
     # Prompt prefixes (a system prompt, a chat template's opening) whose keys and values are kept, per API key and
     # correction, so that a prompt starting the same way is prefilled from where they end; 0: none.
     prefix_cache_tokens: int = Field(default=PREFIX_CACHE_TOKENS, ge=0)
+    # A prompt longer than this (past its cached prefix) is prefilled this many tokens a step beside the running
+    # batch's decoding, so that it never stalls the streams for its whole prefill; a step then costs its decode and
+    # one chunk. auto: 512 on a GPU (a decoding step leaves it mostly idle), 64 on a CPU (where a chunk of 64 costs
+    # about what a decoding step of 32 sequences does).
+    prefill_chunk_tokens: PositiveInt | Literal["auto"] = "auto"
     use_gpu: bool = False  # one GPU per replica
     num_cpus: float = Field(default=1.0, gt=0.0)  # per replica; also its torch threads
     # The replicas' compute dtype; auto: the run's calibration.dtype (so the served model computes as it was
@@ -501,6 +506,12 @@ class ServeSection(_Section):
             logger.warning("serve.batch_wait_timeout_s is ignored: continuous batching starts each sequence at the "
                            "next decoding step; remove the key")
         return values
+
+    def prefill_chunk_for(self, on_gpu: bool) -> int:
+        """`prefill_chunk_tokens` with auto resolved for a replica's device."""
+        if self.prefill_chunk_tokens == "auto":
+            return 512 if on_gpu else 64
+        return self.prefill_chunk_tokens
 
 
 class RunConfig(_Section):

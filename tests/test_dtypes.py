@@ -100,6 +100,8 @@ def test_auto_is_bf16_on_gpus_and_fp32_on_cpus_and_a_named_dtype_holds_everywher
     assert parse_config({**config.model_dump(), "calibration": {"dtype": "float32"}}).calibration.wire_dtype_for(
         64, on_gpu=False) == "float32"
     assert ServeSection().dtype == "auto"
+    assert (ServeSection().prefill_chunk_for(on_gpu=True), ServeSection().prefill_chunk_for(on_gpu=False)) == (512, 64)
+    assert ServeSection(prefill_chunk_tokens=100).prefill_chunk_for(on_gpu=True) == 100
 
 
 def test_a_dtype_the_device_has_no_kernels_for_is_named_and_refused_before_any_work(tmp_path: Path, capsys,

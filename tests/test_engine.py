@@ -3,6 +3,7 @@ against transformers' own generate() and against each sequence generated alone."
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -25,6 +26,8 @@ from darts_dist.generation import (
 )
 from darts_dist.generation.kv_cache import PREFIX_BLOCK
 from darts_dist.generation.sampling import next_tokens, top_p_probabilities
+from darts_dist.generation.text import SequenceText
+from darts_dist.sources.models import BUNDLED_TOKENIZER, load_tokenizer
 
 MORE = ["def scale(values, k):", "Question: 3 + 4 =", "Instruction: Name a colour", "import numpy as"]
 
@@ -153,6 +156,34 @@ def test_a_stop_string_longer_than_the_text_so_far_is_held_back_whole(lm: Correc
     assert "".join(listener.pieces) == full.text[:3]
 
 
+def test_a_fast_tokenizer_decodes_each_token_once_and_the_stream_is_the_whole_text() -> None:
+    """With the bundled (SmolLM2) tokenizer, characters split over several byte-level tokens included: the pieces
+    handed out add up to decode(all tokens), nothing is re-decoded while the answer grows (the tokenizers library's
+    streaming decoder), and a stop string far into the answer is found in its new end."""
+    tokenizer = load_tokenizer(BUNDLED_TOKENIZER)
+    text = "Voilà: 3 × 4 = 12 🙂, naïve café —\n" * 40 + "STOP and then more"
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+    whole = tokenizer.decode(tokens, skip_special_tokens=True)
+    for stop, expected in (((), whole), (("STOP",), whole[: whole.find("STOP")])):
+        decoded = SequenceText(tokenizer, set(), stop, len(tokens), stream=True)
+        calls = []
+        real = tokenizer.decode
+        tokenizer.decode = lambda *a, **k: (calls.append(a), real(*a, **k))[1]
+        try:
+            pieces, reason = [], None
+            for token in tokens:
+                piece, reason = decoded.add(token)
+                pieces.append(piece)
+                if reason is not None:
+                    break
+        finally:
+            del tokenizer.decode
+        assert calls == []
+        completion = decoded.completion(0, reason)
+        assert "".join(pieces) + decoded.rest() == completion.text == expected
+        assert len([p for p in pieces if p]) > 100
+
+
 def counts(batcher: ContinuousBatcher) -> tuple[int, int, int]:
     stats = batcher.stats()
     return stats.waiting, stats.running, stats.generated_tokens
@@ -245,6 +276,40 @@ def test_a_full_waiting_room_refuses_the_whole_request_larger_ones_first(lm: Cor
     assert batcher.stats().waiting == 0
 
 
+def test_a_long_prompt_prefills_a_chunk_per_step_beside_the_streams_and_answers_as_prefilled_whole(
+        lm: CorrectedLM) -> None:
+    """With prefill_chunk_tokens, a prompt longer than a chunk takes one chunk a step in a cache of its own while the
+    running stream decodes a token every step; it joins with its last chunk and answers as transformers' generate
+    does on the whole prompt; sent again, its cached prefix is taken and only the rest chunked, same answer."""
+    long_text = " ".join(MORE * 3)
+    chunk = len(lm.encode(MORE[0]))  # the short prompt prefills whole
+    chunks = math.ceil(len(lm.encode(long_text)) / chunk)
+    assert chunks >= 4
+    batcher = ContinuousBatcher(lm, max_batch_size=4, prefill_chunk_tokens=chunk)
+    stream = Collect()
+    batcher.add(SequenceRequest(tuple(lm.encode(MORE[0])), "code", greedy(chunks + 8)), stream)
+    batcher.step()  # the short prompt prefilled whole: it decodes from now on
+    joiner = Collect()
+    batcher.add(SequenceRequest(tuple(lm.encode(long_text)), "math", greedy(5)), joiner)
+    for _ in range(chunks - 1):
+        generated = batcher.stats().generated_tokens
+        batcher.step()
+        assert batcher.stats().generated_tokens == generated + 1  # the stream's token; none yet for the long prompt
+        assert batcher.stats().running == 2 and len(batcher.running) == 1
+    batcher.step()  # the last chunk: the long prompt joins, draws its first token, and both decode
+    assert len(batcher.running) == 2 and not batcher.prefilling
+    batcher.run_until_idle()
+    for listener, prompt, task, tokens in ((joiner, long_text, "math", 5), (stream, MORE[0], "code", chunks + 8)):
+        expected = reference(lm, [prompt], [task], tokens)[0]
+        assert listener.finished.completion.text == lm.tokenizer.decode(expected, skip_special_tokens=True)
+    again = Collect()
+    cached_before = batcher.stats().cached_prompt_tokens
+    batcher.add(SequenceRequest(tuple(lm.encode(long_text)), "math", greedy(5)), again)
+    batcher.run_until_idle()
+    assert batcher.stats().cached_prompt_tokens > cached_before
+    assert again.finished.completion == joiner.finished.completion
+
+
 def test_bad_settings_are_refused(lm: CorrectedLM) -> None:
     with pytest.raises(DartsError, match="max_batch_size"):
         ContinuousBatcher(lm, max_batch_size=0)
@@ -298,6 +363,29 @@ def test_top_p_keeps_the_smallest_set_of_tokens_reaching_the_mass() -> None:
     # 0.5 alone is short of 0.7; 0.5 + 0.25 reaches it: the two kept, the rest zero.
     assert torch.allclose(kept, torch.tensor([0.0, 0.5, 0.0, 0.25]))
     assert torch.allclose(top_p_probabilities(logits, 2.0, 1.0), torch.softmax(logits / 2.0, -1))
+
+
+def test_batched_draws_follow_each_rows_nucleus_and_do_not_depend_on_the_batch() -> None:
+    """One pass for every sampled row (the exponential race, each row's noise from its own generator): each row's
+    frequencies are its own nucleus's probabilities (within 4 standard errors over 4,000 draws), zero outside it,
+    and a row draws the same token alone as beside a greedy row and a differently-set one."""
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.4, 0.3, 0.2, 0.1]]))
+    generators = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    draws = 4000
+    counts = torch.zeros(2, 4)
+    for _ in range(draws):
+        for row, token in enumerate(next_tokens(logits, [1.0, 0.5], [0.7, 1.0], generators)):
+            counts[row, token] += 1
+    nucleus = top_p_probabilities(logits[0], 1.0, 0.7)  # the kept tokens' probabilities, not renormalised
+    expected = torch.stack([nucleus / nucleus.sum(), torch.softmax(logits[1] / 0.5, -1)])
+    assert torch.allclose(expected[0], torch.tensor([0.0, 2 / 3, 0.0, 1 / 3]))
+    assert (counts[expected == 0] == 0).all()
+    frequency = counts / draws
+    assert ((frequency - expected).abs() <= 4 * (expected * (1 - expected) / draws).sqrt() + 1e-9).all(), frequency
+    alone = [next_tokens(logits[1:], [0.5], [1.0], [torch.Generator().manual_seed(seed)])[0] for seed in range(20)]
+    beside = [next_tokens(logits, [0.0, 0.5], [1.0, 1.0], [torch.Generator(), torch.Generator().manual_seed(seed)])[1]
+              for seed in range(20)]
+    assert alone == beside and len(set(alone)) > 1
 
 
 def test_a_vanishing_temperature_is_greedy_not_a_failure_of_the_batch(lm: CorrectedLM) -> None:

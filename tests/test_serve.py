@@ -243,6 +243,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": f"{MODEL}:poetry", "prompt": "hi"}, 404, "does not exist"),
     ("/v1/completions", {"model": f"{MODEL}:code", "prompt": "hi", "max_tokens": LIMIT + 1}, 400, "at most"),
     ("/v1/completions", {"model": f"{MODEL}:code", "prompt": "word " * 600}, 400, "context is 512 tokens"),
+    # Too long by its bytes alone: refused before the tokenizer sees it.
+    ("/v1/completions", {"model": f"{MODEL}:code", "prompt": "word " * 12000}, 400, "the prompt has at least"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 12000}]}, 400,
+     "the prompt has at least"),
     ("/v1/completions", b"{not json", 400, "not valid JSON"),
     ("/v1/completions", {"prompt": "hi"}, 400, "model"),
     ("/v1/completions", {"model": f"{MODEL}:code", "prompt": [1, 2, 3]}, 400, "prompt"),
@@ -479,6 +483,7 @@ def test_with_capture_off_no_prompt_is_written(server) -> None:
     """The module's server captures nothing (serve.capture is opt-in), though it has answered every test's requests."""
     assert health(server)["capture"] is False
     assert (health(server)["device"], health(server)["warnings"]) == ("cpu", [])  # asked for no GPU: no warning
+    assert health(server)["prefill_chunk_tokens"] == 64  # serve.prefill_chunk_tokens: auto, on a CPU
     assert not (server.folder / "traffic").exists()  # where capture.dir would put them, relative to its folder
     assert not list(server.folder.rglob("capture-*.jsonl"))
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from darts_dist.config import ServeSection, parse_config
 from darts_dist.errors import DartsError
@@ -17,7 +19,7 @@ from darts_dist.serve.access import API_KEY_ENV, resolve_api_key, warn_if_expose
 from darts_dist.serve.model import serve_settings
 from darts_dist.serve.openai_api import ApiError, ChatRequest, CompletionRequest, internal_error, parse
 from darts_dist.sources.models import (BUNDLED_TOKENIZER, chat_prompt, encode_prompt, encode_user_chat,
-                                       encode_user_prompt, load_tokenizer)
+                                       encode_user_prompt, load_tokenizer, longest_token_bytes)
 
 ERROR_BODY_LIMIT = 4096  # bytes of JSON, whatever the request held
 
@@ -222,3 +224,25 @@ def test_a_replica_given_a_gpu_it_cannot_find_says_so(monkeypatch: pytest.Monkey
     assert device == torch.device("cpu") and "finds no CUDA device" in warning
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert replica_device(ServeSection(use_gpu=True)) == (torch.device("cuda"), None)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    tokenizer = load_tokenizer(BUNDLED_TOKENIZER)
+    return tokenizer, longest_token_bytes(tokenizer)
+
+
+# Control characters aside: this vocabulary has no token for a few of them (U+0004, U+0006, ...), which vanish in
+# tokenisation, so a prompt of nothing else is refused as too long by its bytes rather than as empty (400 either way).
+USER_TEXT = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=400)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=USER_TEXT | st.sampled_from(["-" * 300, " " * 300, "=" * 257, "\n" * 90, "é" * 120, "🙂" * 50,
+                                         "<|im_start|>" * 20]))
+def test_a_prompts_bytes_bound_its_tokens_from_below(bundled, text: str) -> None:
+    """The server refuses a prompt by its bytes before tokenising it (serve's check_bytes): that is only right if
+    no text has fewer tokens than its bytes / the longest token's bytes, runs of spaces and dashes (the vocabulary's
+    longest tokens), multi-byte characters and special tokens' text included."""
+    tokenizer, token_bytes = bundled
+    assert -(-len(text.encode()) // token_bytes) <= len(encode_user_prompt(tokenizer, text))

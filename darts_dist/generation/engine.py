@@ -5,8 +5,11 @@ lets waiting sequences join while the batch has room (`max_batch_size` sequences
 that can grow to at most `max_batch_tokens` slots: rows × the longest prompt + max_tokens among
 them), prefills the joiners in one forward (a prompt prefix seen before, such as a system prompt,
 is taken from the prefix cache instead of computed again), then decodes one token for every
-running sequence in one forward. Finished sequences leave at once, so a short answer never waits
-for a long one and a waiting request never waits for a whole batch. A request's sequences are one
+running sequence in one forward. A prompt longer than `prefill_chunk_tokens` (past its cached prefix) is
+prefilled a chunk per step, in a cache of its own, beside the decoding batch, and joins it with its last
+chunk: a long prompt never stalls the streams already running for its whole prefill. Finished sequences
+leave at once, so a short answer never waits for a long one and a waiting request never waits for a
+whole batch. A request's sequences are one
 group, and groups share the batch fairly (`ContinuousBatcher`). Everything is per sequence: its
 task's correction (the hooks take one task weight row per sequence, and position ids count from
 each sequence's own first token), temperature, top_p, stop strings, max_tokens and a random
@@ -32,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache
 
 from darts_dist.config import PREFIX_CACHE_TOKENS
@@ -187,6 +190,20 @@ class _Sequence:
 _Joiner = tuple[_Sequence, CacheScope, LayerKV | None]  # a sequence, its prefix-cache scope, its cached KV
 
 
+class _Prefilling:
+    """A long prompt prefilled a chunk per step: its cache so far (from its cached prefix, if any) and how many of
+    its tokens that cache holds."""
+
+    def __init__(self, sequence: _Sequence, scope: CacheScope, cached: int, kv: LayerKV | None, fresh: bool,
+                 config: PretrainedConfig) -> None:
+        self.sequence = sequence
+        self.scope = scope
+        self.done = cached
+        self.fresh = fresh  # its first prefill (its prompt's blocks go to the prefix cache), not a preempted one's
+        past = None if kv is None else [(keys[None], values[None]) for keys, values in kv]
+        self.cache = cache_with_past(config, past)
+
+
 class ContinuousBatcher:
     """The scheduler and the batch state; `step` runs one iteration. Not thread-safe except `add`, `add_group`
     and `cancel`.
@@ -200,9 +217,12 @@ class ContinuousBatcher:
     """
 
     def __init__(self, lm: CorrectedModel, max_batch_size: int, max_batch_tokens: int | None = None,
-                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, max_waiting: int | None = None) -> None:
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, max_waiting: int | None = None,
+                 prefill_chunk_tokens: int | None = None) -> None:
         if max_batch_size < 1:
             raise DartsError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
+            raise DartsError(f"prefill_chunk_tokens must be at least 1, got {prefill_chunk_tokens}")
         check_full_attention(lm.model.config)  # before any request, not at the first join
         self.lm = lm
         self.max_batch_size = max_batch_size
@@ -212,6 +232,9 @@ class ContinuousBatcher:
         # Waiting sequences by group, groups in turn order (a group that had a turn goes to the end).
         self.waiting: dict[object, deque[_Sequence]] = {}
         self.running: list[_Sequence] = []
+        # Long prompts prefilling a chunk per step (None: a prompt prefills whole), each with its cache so far.
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefilling: list[_Prefilling] = []
         self.cache = BatchCache()
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.generated_tokens = 0
@@ -276,25 +299,30 @@ class ContinuousBatcher:
         ticket.cancelled = True
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.prefilling)
 
     def stats(self) -> EngineStats:
         with self._lock:  # other threads ask (metrics, the event loop) while the engine's thread changes the queue
             waiting = self.waiting_count()
-        return EngineStats(waiting, len(self.running), self.generated_tokens, self.prompt_tokens,
-                           self.cached_prompt_tokens, self.preempted)
+        return EngineStats(waiting, len(self.running) + len(self.prefilling), self.generated_tokens,
+                           self.prompt_tokens, self.cached_prompt_tokens, self.preempted)
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Drop the cancelled, let waiting sequences join, prefill them, decode one token for every sequence.
+        """Drop the cancelled, let waiting sequences join, prefill them (a long prompt's next chunk), decode one
+        token for every sequence.
 
         A failed forward fails the sequences it ran (their listeners hear the exception); the batcher goes on.
         """
         self._leave([s for s in self.running if s.ticket.cancelled])
+        self.prefilling = [p for p in self.prefilling if not p.sequence.ticket.cancelled]
         joining = self._admit()
         if joining:
             # A failed prefill fails its joiners only: the running batch's cache is joined after it succeeds.
             self._guarded(self._prefill, joining, joining)
+        if self.prefilling:
+            chunk = self.prefilling[0]  # one chunk a step, the oldest prompt first
+            self._guarded(self._prefill_chunk, [chunk.sequence], chunk)
         if self.running:
             self._guarded(self._decode, self.running)
 
@@ -306,6 +334,7 @@ class ContinuousBatcher:
         except Exception as error:
             logger.exception("generation failed for %d sequences", len(sequences))
             failed = [s for s in sequences if not s.done]
+            self.prefilling = [p for p in self.prefilling if p.sequence not in sequences]
             if any(s in self.running for s in sequences):
                 self.running, self.cache = [s for s in self.running if s not in sequences], BatchCache()
                 # Whoever is left lost its cache with the others': it fails too, rather than decode without it.
@@ -348,10 +377,11 @@ class ContinuousBatcher:
     def _fits(self, joining: list[_Sequence], sequence: _Sequence) -> bool:
         """Whether `sequence` fits beside the running and joining ones: the left-aligned cache is rows × its widest
         row, and no row grows past its prompt + max_tokens."""
-        rows = len(self.running) + len(joining) + 1
+        admitted = [*self.running, *(p.sequence for p in self.prefilling), *joining, sequence]
+        rows = len(admitted)
         if rows > self.max_batch_size:
             return False
-        widest = max((s.reserved for s in [*self.running, *joining, sequence]))
+        widest = max(s.reserved for s in admitted)
         return self.max_batch_tokens is None or rows * widest <= self.max_batch_tokens
 
     def _preempt(self, held: Counter) -> bool:
@@ -393,9 +423,13 @@ class ContinuousBatcher:
                           else None)
             scope = (sequence.request.cache_salt, correction)
             cached, kv = self.prefixes.lookup(scope, sequence.prompt)
-            groups.setdefault(cached, []).append((sequence, scope, kv))
             if sequence in fresh:
                 self.cached_prompt_tokens += cached
+            if self.prefill_chunk_tokens is not None and sequence.length - cached > self.prefill_chunk_tokens:
+                self.prefilling.append(_Prefilling(sequence, scope, cached, kv, sequence in fresh,
+                                                   self.lm.model.config))
+                continue
+            groups.setdefault(cached, []).append((sequence, scope, kv))
         for cached, group in groups.items():  # a failed forward fails its own group only
             self._guarded(self._prefill_group, [sequence for sequence, _, _ in group], cached, group, fresh)
 
@@ -412,13 +446,40 @@ class ContinuousBatcher:
         cache = cache_with_past(self.lm.model.config, past)
         logits = self._forward(input_ids, mask, positions, cache, sequences)
         for row, (sequence, scope, _) in enumerate(group):
-            if sequence in fresh and self.prefixes.keeps(sequence.prompt):  # prompts only, not what was generated
-                columns = mask[row].nonzero().squeeze(1).to(self.device)
-                self.prefixes.store(scope, sequence.prompt, [(layer.keys[row][:, columns],
-                                                                   layer.values[row][:, columns])
-                                                                  for layer in cache.layers])
+            if sequence in fresh:
+                self._store_prefix(scope, sequence, cache, row, mask[row])
         if past is not None:  # no holes between a cached prefix and the rest of its prompt in the batch
             mask = left_align(cache, mask)
+        self._join(sequences, cache, mask, logits)
+
+    def _prefill_chunk(self, chunk: _Prefilling) -> None:
+        """The next `prefill_chunk_tokens` of a long prompt, on its own cache; with its last chunk it joins the
+        batch and draws its first token."""
+        sequence, prompt = chunk.sequence, chunk.sequence.prompt
+        end = min(len(prompt), chunk.done + self.prefill_chunk_tokens)
+        input_ids = torch.tensor([prompt[chunk.done:end]])
+        positions = torch.arange(chunk.done, end)[None]
+        mask = torch.ones(1, end, dtype=torch.long)
+        logits = self._forward(input_ids, mask, positions, chunk.cache, [sequence])
+        chunk.done = end
+        if end < len(prompt):
+            return
+        self.prefilling.remove(chunk)
+        if chunk.fresh:
+            self._store_prefix(chunk.scope, sequence, chunk.cache, 0, mask[0])
+        self._join([sequence], chunk.cache, mask, logits)
+
+    def _store_prefix(self, scope: CacheScope, sequence: _Sequence, cache: DynamicCache, row: int,
+                      mask: torch.Tensor) -> None:
+        """Keep a prefilled prompt's blocks in the prefix cache (prompts only, not what was generated)."""
+        if self.prefixes.keeps(sequence.prompt):
+            columns = mask.nonzero().squeeze(1).to(self.device)
+            self.prefixes.store(scope, sequence.prompt, [(layer.keys[row][:, columns], layer.values[row][:, columns])
+                                                         for layer in cache.layers])
+
+    def _join(self, sequences: list[_Sequence], cache: DynamicCache, mask: torch.Tensor,
+              logits: torch.Tensor) -> None:
+        """Prefilled sequences join the running batch's cache and draw their first tokens."""
         self.cache.join(cache, mask.to(self.device))
         self.running += sequences
         self._advance(sequences, logits)
@@ -540,7 +601,9 @@ class EngineThread:
             self._wake.notify()
         self._thread.join()
         stopped = EngineStopped("the generation engine stopped", "send the request again")
-        for sequence in [*self.batcher.running, *(s for queue in self.batcher.waiting.values() for s in queue)]:
+        batcher = self.batcher
+        for sequence in [*batcher.running, *(p.sequence for p in batcher.prefilling),
+                         *(s for queue in batcher.waiting.values() for s in queue)]:
             sequence.tell(stopped)
 
     def _loop(self) -> None:

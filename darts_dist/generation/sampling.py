@@ -27,26 +27,37 @@ def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
-def top_p_probabilities(logits: Tensor, temperature: float, top_p: float) -> Tensor:
-    """softmax(logits / T) over the nucleus: the most likely tokens whose mass first reaches top_p (at least one)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = probs.sort(descending=True)
-    keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # the mass before a token is still short of top_p
+def top_p_probabilities(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor) -> Tensor:
+    """softmax(logits / T) over the nucleus: the most likely tokens whose mass first reaches top_p (at least one).
+
+    Rows of [..., V] logits, each with its own temperature and top_p ([...] tensors, or one float for all), in one
+    pass on the logits' device: no per-row loop and no host sync (a boolean index would be one per row)."""
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device)
+    probs = torch.softmax(logits.float() / temperature[..., None], dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # The mass before a token is still short of top_p; a row with top_p 1 keeps every token (rounding in the sum
+    # could otherwise cut its tail).
+    keep = (sorted_probs.cumsum(-1) - sorted_probs < top_p[..., None]) | (top_p[..., None] >= 1.0)
     # The most likely token always: a top_p below fp32's smallest positive value compares as 0 against the probs.
     keep[..., 0] = True
-    return torch.zeros_like(probs).scatter_(-1, order[keep], sorted_probs[keep])
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
 
 
 def next_tokens(
     logits: Tensor, temperatures: Sequence[float], top_ps: Sequence[float], generators: Sequence[torch.Generator]
 ) -> list[int]:
     """[B, V] last-position logits -> one token per row: the argmax where the temperature is 0 (below
-    GREEDY_BELOW), else a draw from the row's nucleus with the row's generator."""
+    GREEDY_BELOW), else a draw from the row's nucleus with the row's generator.
+
+    The sampled rows' nuclei are computed together, and each row draws by an exponential race (the argmax of
+    p / E, E ~ Exp(1) from the row's own generator: a draw from p), so the only host sync is the tokens' list."""
     tokens = logits.argmax(-1)
-    for row, (temperature, top_p, generator) in enumerate(zip(temperatures, top_ps, generators)):
-        if temperature >= GREEDY_BELOW:
-            probs = top_p_probabilities(logits[row], temperature, top_p)
-            tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
+    sampled = [row for row, temperature in enumerate(temperatures) if temperature >= GREEDY_BELOW]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        probs = top_p_probabilities(logits[rows], torch.tensor([temperatures[row] for row in sampled]),
+                                    torch.tensor([top_ps[row] for row in sampled]))
+        race = torch.stack([torch.empty_like(probs[0]).exponential_(generator=generators[row]) for row in sampled])
+        tokens[rows] = (probs / race).argmax(-1)
     return tokens.tolist()

@@ -5,9 +5,20 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+
+def _backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """The tokenizers library's tokenizer behind a fast tokenizer whose decoding of a text's tokens is the
+    concatenation of its tokens' pieces (no clean-up of spaces around punctuation afterwards), else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend
+    return None
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,10 @@ class SequenceText:
     end-of-sequence token, at a stop string (cut before it, never returned), or at `max_tokens`. Text is
     final once no later token can change it: a possible beginning of a stop string and an unfinished
     UTF-8 character (decoded as U+FFFD) are held back until the next tokens decide them. Without stop
-    strings and streaming, nothing is decoded until the end.
+    strings and streaming, nothing is decoded until the end. A fast tokenizer decodes each token once, by the
+    tokenizers library's streaming decoder, and stop strings are looked for in the text's new end only: a token
+    costs the same at the answer's end as at its start (re-decoding the whole text each token made a long answer's
+    decoding quadratic). Others re-decode the whole text each token.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], stop: tuple[str, ...],
@@ -49,6 +63,10 @@ class SequenceText:
         self.count = 0  # tokens generated, an end-of-sequence token included
         self.text: str | None = None  # the whole text, once done
         self.sent = ""  # the final text handed out so far
+        self.backend = _backend(tokenizer)
+        self.stream = DecodeStream(skip_special_tokens=True) if self.backend is not None else None
+        self.decoded = ""  # with the streaming decoder: the text of the tokens so far
+        self.searched = 0  # characters of the text already searched for stop strings
 
     def add(self, token: int) -> tuple[str, str | None]:
         """The newly final text ("" if none) and the finish reason (None while the sequence goes on)."""
@@ -58,8 +76,16 @@ class SequenceText:
         self.tokens.append(token)
         if not self.decodes:
             return "", "length" if self.count >= self.max_tokens else None
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        hits = [text.find(s) for s in self.stop if s in text]
+        if self.stream is not None:
+            # None while the token ends inside a character: the next tokens finish it.
+            self.decoded += self.stream.step(self.backend, token) or ""
+            text = self.decoded
+        else:
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        # A stop string ends in the new text: search from where one could start that ends there.
+        start = max(0, self.searched - self.hold)
+        hits = [found for s in self.stop if (found := text.find(s, start)) >= 0]
+        self.searched = len(text)
         if hits:
             self.text = text[: min(hits)]
             return "", "stop"

@@ -61,7 +61,7 @@ from darts_dist.serve.openai_api import (
     sse,
     usage_chunk,
 )
-from darts_dist.sources.models import model_dtype
+from darts_dist.sources.models import longest_token_bytes, model_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ class DartsServer:
             logger.warning(warning)
         self.memory = PeakMemory(device)  # what the model, its caches and its batches hold, for the plan's comparison
 
+        self.prefill_chunk_tokens = settings.prefill_chunk_for(device.type == "cuda")
+
         def engine() -> ContinuousBatcher:
             lm = CorrectedLM.load(
                 files.merged_dir, files.corrections, device=device, dtype=model_dtype(settings.dtype, device),
@@ -101,7 +103,8 @@ class DartsServer:
                 soft_routing=settings.routing == "soft",
             )
             return ContinuousBatcher(lm, settings.max_batch_size, settings.max_batch_tokens,
-                                     settings.prefix_cache_tokens, max_waiting=settings.max_waiting_sequences)
+                                     settings.prefix_cache_tokens, max_waiting=settings.max_waiting_sequences,
+                                     prefill_chunk_tokens=self.prefill_chunk_tokens)
 
         # One engine thread, which loads the model too (EngineThread: the replica's torch work on one thread); one,
         # since the model's correction hooks hold one forward's task weights at a time.
@@ -112,6 +115,7 @@ class DartsServer:
         self.ids = model_ids(source.name, self.lm.tasks, self.lm.router is not None)
         self.settings = settings
         self.context = int(self.lm.model.config.max_position_embeddings)
+        self.token_bytes = longest_token_bytes(self.lm.tokenizer)  # a prompt's bytes bound its tokens from below
         self.api_key = api_key
         self.created = int(time.time())
         self.metrics = EngineMetrics(self.engine)
@@ -135,6 +139,7 @@ class DartsServer:
         return {"status": "ok", "model": self.name, "model_version": self.version, "load_s": round(self.load_s, 2),
                 "device": self.device.type, "dtype": str(self.lm.dtype).removeprefix("torch."), "gpus": self.gpus, "warnings": self.warnings,
                 "peak_memory_bytes": self.memory.peak(), "capture": self.capture is not None,
+                "prefill_chunk_tokens": self.prefill_chunk_tokens,
                 **dataclasses.asdict(stats)}
 
     @api.get("/v1/models")
@@ -156,17 +161,23 @@ class DartsServer:
             raise ApiError(400, f"the request has {len(prompts)} prompts, this server takes at most "
                            f"{self.settings.max_prompts_per_request} per request (serve.max_prompts_per_request); "
                            "send them in several requests", param="prompt", code="too_many_prompts")
-        encoded = [self.lm.encode_text(prompt) for prompt in prompts]
-        return await self.respond(body, task, prompts, encoded, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS,
-                                  chat=False, client=client)
+        max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        for prompt in prompts:
+            self.check_bytes(prompt, max_tokens)
+        # Off the event loop: a prompt of up to serve.max_request_bytes takes the tokenizer a good part of a second,
+        # during which no stream would move.
+        encoded = await asyncio.to_thread(lambda: [self.lm.encode_text(prompt) for prompt in prompts])
+        return await self.respond(body, task, prompts, encoded, max_tokens, chat=False, client=client)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
         client = self.authorize(request)
         body = parse(ChatRequest, await self.body(request))
         task = self.task(body.model)
+        self.check_bytes("".join(str(message.get("content") or "") for message in body.conversation),
+                         body.token_limit or 1)
         try:
-            prompt, ids = self.lm.chat_text(body.conversation)
+            prompt, ids = await asyncio.to_thread(self.lm.chat_text, body.conversation)
         except DartsError as error:
             raise ApiError(400, str(error), param="messages") from None
         encoded = [ids]
@@ -188,6 +199,16 @@ class DartsServer:
             raise ApiError(404, f"the model {model_id!r} does not exist; this server has {list(self.ids)}",
                            param="model", code="model_not_found")
         return self.ids[model_id]
+
+    def check_bytes(self, text: str, max_tokens: int) -> None:
+        """Refuse a prompt that cannot fit the context by its length in bytes alone, before tokenising it: it has at
+        least one token per `token_bytes` bytes."""
+        size = len(text.encode())
+        least = -(-size // self.token_bytes)
+        if least + max_tokens > self.context:
+            raise ApiError(400, f"this model's context is {self.context} tokens, but the prompt has at least {least} "
+                           f"({size} bytes) and max_tokens asks for {max_tokens} more; shorten the prompt or lower "
+                           "max_tokens", param="prompt", code="context_length_exceeded")
 
     def check_length(self, ids: list[int], max_tokens: int) -> None:
         limit = self.settings.max_tokens_limit

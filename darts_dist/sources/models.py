@@ -382,6 +382,15 @@ def encode_user_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[
     return tokenizer(prompt, split_special_tokens=True, verbose=False)["input_ids"]
 
 
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most UTF-8 bytes of a user's text one token can stand for: its vocabulary's longest decoded token, plus
+    one for the leading space a lone SentencePiece token loses in decoding (special and added tokens aside: a
+    user's text never becomes one, `encode_user_prompt`). A text of B bytes has at least B / this many tokens."""
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    ids = [[i] for i in range(len(tokenizer)) if i not in special]
+    return 1 + max(len(text.encode()) for text in tokenizer.batch_decode(ids, clean_up_tokenization_spaces=False))
+
+
 def encode_user_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]]) -> tuple[str, list[int]]:
     """A user's conversation, rendered and tokenised: the chat template's markers are special tokens, a special
     token's text inside a message is text (transformers' `sanitize_control_tokens`). A conversation without such
