@@ -31,7 +31,7 @@ from serve_overhead import random_corrections, task_prompts
 from transformers.cache_utils import DynamicCache, StaticCache
 
 from darts_dist.generation import ContinuousBatcher, CorrectedLM, Sampling, SequenceRequest
-from darts_dist.sources.models import load_causal_lm, load_tokenizer
+from darts_dist.sources.models import encode_user_prompt, load_causal_lm, load_tokenizer
 
 BATCHES = (1, 8, 32)
 STREAMS = 31  # running beside the short prompts in part 3
@@ -147,20 +147,21 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=list(BATCHES))
     p.add_argument("--long-tokens", type=int, default=2000, help="the long prompt's tokens in part 3")
     p.add_argument("--short", type=int, default=10, help="short prompts measured alone in part 3")
-    p.add_argument("--stream-tokens", type=int, default=512, help="each running stream's tokens in part 3")
+    p.add_argument("--stream-tokens", type=int, default=1024, help="each running stream's tokens in part 3")
     p.add_argument("--settle", type=float, default=5.0, help="seconds for part 3's streams to start decoding")
     p.add_argument("--skip-long", action="store_true", help="parts 1 and 2 only")
+    p.add_argument("--skip-rates", action="store_true", help="part 3 only")
     args = p.parse_args()
     config, sources, merged_dir = demo_setup("serve-decode", args)
     corrections = random_corrections(config, merged_dir)
     tokenizer = load_tokenizer(merged_dir)
     prompt = task_prompts(config, sources, merged_dir, per_task=1)[0][1]
-    prompt_ids = tokenizer(prompt)["input_ids"]
+    prompt_ids = encode_user_prompt(tokenizer, prompt)  # as the server tokenises a completion's prompt
     model_name = "tiny" if args.tiny else "SmolLM2-135M-Instruct demo merge"
     torch.set_num_threads(os.cpu_count() or 1)  # the replica's threads: every core
     model = load_causal_lm(merged_dir)
     floor = {}
-    for batch in sorted(set(args.concurrency)):
+    for batch in [] if args.skip_rates else sorted(set(args.concurrency)):
         rates = {kind: model_rate(model, prompt_ids, batch, args.max_tokens, kind == "static")
                  for kind in ("static", "dynamic")}
         floor[batch] = max(rates.values())
@@ -170,7 +171,7 @@ def main() -> None:
     del model
     # The same engine without the server around it: what is left of the gap is the engine's own.
     with CorrectedLM.load(merged_dir, corrections) as lm:
-        for batch in sorted(set(args.concurrency)):
+        for batch in [] if args.skip_rates else sorted(set(args.concurrency)):
             rate = engine_rate(lm, prompt_ids, config.tasks[0], batch, args.max_tokens)
             note(f"engine, batch {batch}: {rate:.1f} tokens/s")
             emit(f"serve_decode.engine_b{batch}", rate, floor[batch], "tokens/s", max_tokens=args.max_tokens,
@@ -179,24 +180,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="serve-decode-") as scratch:
         folder = Path(scratch)
         yaml_path = folder / "serve.yaml"
-        # Room for 32 streams and a long prompt beside them.
+        # Room for 32 sequences in part 2, and in part 3 for the 31 streams, the long prompt and a short one beside
+        # them (rows × the widest: the left-aligned cache), so that no short prompt waits for a slot.
+        rows = STREAMS + 2
         yaml_path.write_text(json.dumps({
             "sources": {"base": "unused", "experts": [{"task": t, "path": "unused"} for t in config.tasks]},
-            "serve": {"num_cpus": os.cpu_count() or 1, "max_batch_size": 32, "max_ongoing_requests": 64,
-                      "max_batch_tokens": 65536, "max_tokens_limit": max(512, args.stream_tokens)}}))
+            "serve": {"num_cpus": os.cpu_count() or 1, "max_batch_size": rows, "max_ongoing_requests": 64,
+                      "max_batch_tokens": rows * (args.long_tokens + 64),
+                      "max_tokens_limit": max(512, args.stream_tokens)}}))
         note("starting darts-dist serve")
         with serving([str(merged_dir), "--corrections", str(corrections), "--name", "demo"], yaml_path, folder) as base:
             spec = completion(model_id, prompt, args.max_tokens)
             server_rate(base, spec, 1, 1, args.max_tokens)  # warm-up: first calls pay one-off costs
-            for clients in args.concurrency:
+            for clients in [] if args.skip_rates else args.concurrency:
                 rate = server_rate(base, spec, clients, args.requests, args.max_tokens)
                 note(f"server, {clients} clients: {rate:.1f} tokens/s")
                 emit(f"serve_decode.server_c{clients}", rate, floor[clients], "tokens/s",
                      target_ratio=0.9 if clients == 1 else 0.85, requests=clients * args.requests,
                      max_tokens=args.max_tokens, model=model_name)
             if not args.skip_long:
-                long = " ".join([prompt] * (args.long_tokens // len(prompt_ids) + 1))
-                long = tokenizer.decode(tokenizer(long)["input_ids"][:args.long_tokens])
+                repeated = " ".join([prompt] * (args.long_tokens // len(prompt_ids) + 1))
+                long = tokenizer.decode(encode_user_prompt(tokenizer, repeated)[:args.long_tokens])
                 for line in beside_long_prompt(base, model_id, prompt, long, args):
                     emit(line.pop("name"), line.pop("value"), line.pop("baseline"), line.pop("unit"), model=model_name,
                          **line)

@@ -310,6 +310,40 @@ def test_a_long_prompt_prefills_a_chunk_per_step_beside_the_streams_and_answers_
     assert again.finished.completion == joiner.finished.completion
 
 
+def test_a_steps_prefill_takes_whole_prompts_up_to_the_chunk_budget_and_the_rest_wait_a_step(lm: CorrectedLM) -> None:
+    prompt = tuple(lm.encode(MORE[1]))
+    batcher = ContinuousBatcher(lm, max_batch_size=8, prefill_chunk_tokens=2 * len(prompt))
+    listeners = [Collect() for _ in range(3)]
+    for listener in listeners:
+        batcher.add(SequenceRequest(prompt, "math", greedy(4)), listener)
+    batcher.step()
+    assert (len(batcher.running), batcher.stats().waiting) == (2, 1)  # two prompts fill the step's budget
+    batcher.step()
+    assert (len(batcher.running), batcher.stats().waiting) == (3, 0)
+    batcher.run_until_idle()
+    assert len({listener.finished.completion.text for listener in listeners}) == 1
+
+
+def test_a_prompt_just_over_the_budget_is_not_held_behind_a_very_long_one(lm: CorrectedLM) -> None:
+    """Chunks go to the prompts with the fewest tokens left first; the oldest still gets a quarter of the budget."""
+    medium = tuple(lm.encode(" ".join(MORE)))
+    budget = len(medium) - 2
+    long = tuple(lm.encode(" ".join(MORE * 8)))
+    assert len(long) > 6 * budget
+    batcher = ContinuousBatcher(lm, max_batch_size=4, prefill_chunk_tokens=budget)
+    first, second = Collect(), Collect()
+    batcher.add(SequenceRequest(long, "code", greedy(2)), first)
+    batcher.step()
+    batcher.add(SequenceRequest(medium, "math", greedy(5)), second)
+    batcher.step()  # the medium prompt takes the budget, the long one a quarter of it
+    batcher.step()  # the medium prompt's last 2 tokens: it joins and draws its first token
+    assert [s.request.ids for s in batcher.running] == [medium] and batcher.prefilling[0].sequence.request.ids == long
+    assert batcher.prefilling[0].done == budget + budget // 4 + (budget - 2)  # then what the medium one left
+    batcher.run_until_idle()
+    assert second.finished.completion == lm.generate([" ".join(MORE)], ["math"], max_new_tokens=5)[0]
+    assert first.finished.completion == lm.generate([" ".join(MORE * 8)], ["code"], max_new_tokens=2)[0]
+
+
 def test_bad_settings_are_refused(lm: CorrectedLM) -> None:
     with pytest.raises(DartsError, match="max_batch_size"):
         ContinuousBatcher(lm, max_batch_size=0)

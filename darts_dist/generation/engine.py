@@ -5,9 +5,11 @@ lets waiting sequences join while the batch has room (`max_batch_size` sequences
 that can grow to at most `max_batch_tokens` slots: rows × the longest prompt + max_tokens among
 them), prefills the joiners in one forward (a prompt prefix seen before, such as a system prompt,
 is taken from the prefix cache instead of computed again), then decodes one token for every
-running sequence in one forward. A prompt longer than `prefill_chunk_tokens` (past its cached prefix) is
-prefilled a chunk per step, in a cache of its own, beside the decoding batch, and joins it with its last
-chunk: a long prompt never stalls the streams already running for its whole prefill. Finished sequences
+running sequence in one forward. With `prefill_chunk_tokens`, a step prefills at most that many prompt tokens
+(a quarter more for the oldest long prompt): whole prompts up to it (the others join at the next step), and a
+prompt longer than it in chunks, in a cache of its own, beside the decoding batch, joining it with its last chunk
+(the prompts with the fewest tokens left first): a long prompt never stalls the running streams for its whole
+prefill. Finished sequences
 leave at once, so a short answer never waits for a long one and a waiting request never waits for a
 whole batch. A request's sequences are one
 group, and groups share the batch fairly (`ContinuousBatcher`). Everything is per sequence: its
@@ -203,6 +205,10 @@ class _Prefilling:
         past = None if kv is None else [(keys[None], values[None]) for keys, values in kv]
         self.cache = cache_with_past(config, past)
 
+    def left(self) -> int:
+        """Its prompt's tokens not prefilled yet."""
+        return len(self.sequence.prompt) - self.done
+
 
 class ContinuousBatcher:
     """The scheduler and the batch state; `step` runs one iteration. Not thread-safe except `add`, `add_group`
@@ -235,6 +241,7 @@ class ContinuousBatcher:
         # Long prompts prefilling a chunk per step (None: a prompt prefills whole), each with its cache so far.
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefilling: list[_Prefilling] = []
+        self.prefilled = 0  # prompt tokens prefilled whole in this step (the chunk takes the rest of the budget)
         self.cache = BatchCache()
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.generated_tokens = 0
@@ -320,9 +327,8 @@ class ContinuousBatcher:
         if joining:
             # A failed prefill fails its joiners only: the running batch's cache is joined after it succeeds.
             self._guarded(self._prefill, joining, joining)
-        if self.prefilling:
-            chunk = self.prefilling[0]  # one chunk a step, the oldest prompt first
-            self._guarded(self._prefill_chunk, [chunk.sequence], chunk)
+        for chunk, size in self._chunks():
+            self._guarded(self._prefill_chunk, [chunk.sequence], chunk, size)
         if self.running:
             self._guarded(self._decode, self.running)
 
@@ -359,7 +365,9 @@ class ContinuousBatcher:
                     self.waiting[group] = queue
                 else:
                     del self.waiting[group]
-            held = Counter(s.group for s in self.running)
+            held = Counter(s.group for s in [*self.running, *(p.sequence for p in self.prefilling)])
+            budget = self.prefill_chunk_tokens
+            self.prefilled = 0  # prompt tokens the joiners prefill whole this step
             while self.waiting:
                 group = min(self.waiting, key=lambda g: held[g])  # min keeps the first of equals: turn order
                 sequence = self.waiting[group][0]
@@ -367,6 +375,12 @@ class ContinuousBatcher:
                     if held[group] == 0 and self._preempt(held):
                         continue
                     break  # it waits for room; the others wait behind it, so long prompts never starve
+                if budget is not None:  # the step's prefill: whole prompts up to the budget; longer ones in chunks
+                    cost = len(sequence.prompt)  # at most: a cached prefix costs nothing
+                    if cost <= budget:
+                        if self.prefilled + cost > budget:
+                            break  # the step's prefill is full: it joins at the next
+                        self.prefilled += cost
                 joining.append(self.waiting[group].popleft())
                 held[group] += 1
                 queue = self.waiting.pop(group)
@@ -452,11 +466,28 @@ class ContinuousBatcher:
             mask = left_align(cache, mask)
         self._join(sequences, cache, mask, logits)
 
-    def _prefill_chunk(self, chunk: _Prefilling) -> None:
-        """The next `prefill_chunk_tokens` of a long prompt, on its own cache; with its last chunk it joins the
-        batch and draws its first token."""
+    def _chunks(self) -> list[tuple[_Prefilling, int]]:
+        """This step's chunks: what is left of `prefill_chunk_tokens` after the joiners' whole prompts, to the prompts
+        with the fewest tokens left first (so a prompt just over the budget is not held behind a very long one), and
+        at least a quarter of the budget to the oldest, which nothing can then hold back for ever."""
+        if not self.prefilling:
+            return []
+        left = max(0, self.prefill_chunk_tokens - self.prefilled)
+        sizes: dict[_Prefilling, int] = {}
+        for chunk in sorted(self.prefilling, key=_Prefilling.left):
+            if left == 0:
+                break
+            sizes[chunk] = min(left, chunk.left())
+            left -= sizes[chunk]
+        oldest = self.prefilling[0]
+        sizes[oldest] = max(sizes.get(oldest, 0), min(oldest.left(), max(1, self.prefill_chunk_tokens // 4)))
+        return list(sizes.items())
+
+    def _prefill_chunk(self, chunk: _Prefilling, size: int) -> None:
+        """The next `size` tokens of a long prompt, on its own cache; with its last chunk it joins the batch and draws
+        its first token."""
         sequence, prompt = chunk.sequence, chunk.sequence.prompt
-        end = min(len(prompt), chunk.done + self.prefill_chunk_tokens)
+        end = min(len(prompt), chunk.done + size)
         input_ids = torch.tensor([prompt[chunk.done:end]])
         positions = torch.arange(chunk.done, end)[None]
         mask = torch.ones(1, end, dtype=torch.long)
