@@ -9,6 +9,7 @@ from darts_dist.core.correction import (
     Correction,
     CorrectionSpec,
     DartsCorrections,
+    active_tasks,
     expected_parameter_count,
     one_hot_tasks,
 )
@@ -95,6 +96,32 @@ def test_only_active_tasks_are_computed():
         c.down[1] = float("nan")  # task 1 unused in this batch: its NaNs must not leak in
     out = c(torch.randn(2, 3, D), positions(2, 3), one_hot_tasks(torch.tensor([0, 2]), K))
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kw", VARIANTS)
+def test_given_active_tasks_compute_what_finding_them_does(kw):
+    """A caller that knows the batch's tasks (the hooks, from weights kept on the host) passes them, and the
+    correction finds nothing itself: the same result, the shared position row included."""
+    c = Correction(make_spec(**kw))
+    randomize(c)
+    h, weights = torch.randn(3, 4, D), torch.tensor([[0.0, 0.3, 0.7], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert active_tasks(weights) == [1, 2]
+    torch.testing.assert_close(c(h, positions(3, 4), weights, active=[1, 2]), c(h, positions(3, 4), weights))
+
+
+def test_hooks_tell_the_correction_its_active_tasks_from_host_weights(tiny_family, monkeypatch):
+    from darts_dist.core import attach_corrections
+    from darts_dist.sources.models import load_causal_lm
+
+    model = load_causal_lm(tiny_family.base)
+    corrections = DartsCorrections(CorrectionSpec(tasks=("math", "code", "chat"), hidden_size=model.config.hidden_size,
+                                                  rank=R, max_positions=T), ["final"])
+    seen = []
+    real = Correction.delta
+    monkeypatch.setattr(Correction, "delta", lambda self, *a: (seen.append(a[3]), real(self, *a))[1])
+    with attach_corrections(model, corrections) as handle, handle.tasks([2, -1]):
+        model(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]))
+    assert seen == [[2]]
 
 
 @pytest.mark.parametrize("kw", [v for v in VARIANTS if v["position_bias"] != "none"])

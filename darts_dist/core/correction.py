@@ -138,11 +138,13 @@ class Correction(nn.Module):
             return nn.functional.embedding(t, a) @ b
         return nn.functional.embedding(t, self.position[table].to(device, torch.float32))
 
-    def delta(self, h: Tensor, positions: Tensor, task_weights: Tensor) -> Tensor:
+    def delta(self, h: Tensor, positions: Tensor, task_weights: Tensor, active: Sequence[int] | None = None) -> Tensor:
         """ĥ − h = Σ_k w_bk·(−U_k·ReLU(D_k·h_t) + P_k[min(t, T−1)]), fp32 [B, S, d].
 
         h [B, S, d] any float dtype; positions [B, S] (padding may be negative: it reads row 0);
-        task_weights [B, K]: one-hot picks a task, a zero row means no correction, soft rows mix linearly.
+        task_weights [B, K]: one-hot picks a task, a zero row means no correction, soft rows mix linearly;
+        `active`: the tasks with a nonzero weight, if the caller knows them (`active_tasks` of a host copy of the
+        weights), else found here from the weights, one host sync per call where they live on a GPU.
         """
         B, S, d = h.shape
         K = self.spec.num_tasks
@@ -155,8 +157,8 @@ class Correction(nn.Module):
         x = h.float()
         w = task_weights.to(x.device, torch.float32)
         delta = torch.zeros_like(x)
-        # Only tasks someone in the batch uses cost compute (one .tolist() sync per call).
-        active = torch.nonzero(w.ne(0).any(0)).flatten().tolist()
+        # Only tasks someone in the batch uses cost compute.
+        active = active_tasks(w) if active is None else active
         for k in active:
             D = self.down[k].to(x.device, torch.float32)
             U = self.up[k].to(x.device, torch.float32)
@@ -169,9 +171,9 @@ class Correction(nn.Module):
             delta = delta + w.sum(1)[:, None, None] * self.position_rows(0, positions, x.device)
         return delta
 
-    def forward(self, h: Tensor, positions: Tensor, task_weights: Tensor) -> Tensor:
+    def forward(self, h: Tensor, positions: Tensor, task_weights: Tensor, active: Sequence[int] | None = None) -> Tensor:
         """ĥ = h + delta, added in fp32 and returned in h's dtype."""
-        return (h.float() + self.delta(h, positions, task_weights)).to(h.dtype)
+        return (h.float() + self.delta(h, positions, task_weights, active)).to(h.dtype)
 
 
 class DartsCorrections(nn.Module):
@@ -193,6 +195,11 @@ class DartsCorrections(nn.Module):
         if key not in self.layers:
             raise KeyError(f"no correction at layer {layer!r}; layers are {list(self.layer_keys)}")
         return self.layers[key]
+
+
+def active_tasks(task_weights: Tensor) -> list[int]:
+    """The tasks some row of [B, K] weights uses (a host sync where the weights live on a GPU)."""
+    return torch.nonzero(task_weights.ne(0).any(0)).flatten().tolist()
 
 
 def mask_positions(attention_mask: Tensor) -> Tensor:

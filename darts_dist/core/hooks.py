@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .correction import DartsCorrections, LayerKey, mask_positions, one_hot_tasks, parse_layer
+from .correction import DartsCorrections, LayerKey, active_tasks, mask_positions, one_hot_tasks, parse_layer
 
 # Where Llama-style (layers, norm), GPT-2-style (h, ln_f) and OPT-style decoders keep their parts.
 _LAYER_LISTS = ("layers", "h", "blocks")
@@ -107,6 +107,8 @@ class CorrectionHandle:
         self.record = False
         self.outputs: dict[str | int, Tensor] = {}
         self.task_weights: Tensor | None = None  # [B, K]; None: every hook passes through
+        self._active: list[int] | None = None
+        self._placed: dict[torch.device, Tensor] = {}
         self.positions: Tensor | None = None  # [B, S] of the running forward, set by the pre-hook
         modules = {layer: surgery_module(model, layer) for layer in corrections.layer_keys}
         # On the decoder, not the LM wrapper: it sees the same kwargs, and also runs when called alone.
@@ -145,7 +147,16 @@ class CorrectionHandle:
                     f"no token positions for hidden states {list(h.shape[:2])} at layer {layer!r}: "
                     "run the model's forward, not the surgery module alone"
                 )
-            corrected = correction(h, self.positions.to(h.device), self.task_weights.to(h.device))
+            # Weights kept on the host (the engine's, the exported model's) say which tasks are active without a
+            # device sync; weights on a GPU are read there once per layer.
+            weights = self.task_weights
+            if weights.device.type == "cpu":
+                if self._active is None:  # once per forward's weights, not once per layer
+                    self._active = active_tasks(weights)
+                active = self._active
+            else:
+                active = None
+            corrected = correction(h, self.positions.to(h.device), self._on(h.device), active)
             if self.record:
                 self.outputs[layer] = corrected
             return _replace_hidden(output, corrected)
@@ -160,6 +171,14 @@ class CorrectionHandle:
                 raise ValueError(f"task weights must be [batch, {K}], got {list(task_weights.shape)}")
             task_weights = task_weights.float()
         self.task_weights = task_weights
+        self._active: list[int] | None = None  # the tasks in use, from host weights
+        self._placed: dict[torch.device, Tensor] = {}  # the weights on each device a hook read them on
+
+    def _on(self, device: torch.device) -> Tensor:
+        """The task weights on `device`, copied there once for all the layers of the forwards they apply to."""
+        if device not in self._placed:
+            self._placed[device] = self.task_weights.to(device)
+        return self._placed[device]
 
     def set_tasks(self, task_ids: Sequence[int] | Tensor) -> None:
         """One task index per sequence; −1 = no correction for that sequence."""
@@ -173,7 +192,7 @@ class CorrectionHandle:
         try:
             yield
         finally:
-            self.task_weights = previous
+            self.set_task_weights(previous)
 
     def tasks(self, task_ids: Sequence[int] | Tensor) -> contextlib.AbstractContextManager[None]:
         """set_tasks(task_ids) inside the block; the previous task weights come back after it."""
