@@ -73,7 +73,7 @@ def test_expert_actor_rows_are_the_experts_targets_on_real_tokens(tiny_family, c
 
 def test_an_expert_actor_loads_and_runs_its_model_on_one_thread_of_its_own(tiny_family, code_set, monkeypatch) -> None:
     """Ray calls an actor's constructor and its batches from different threads; the model's load, thread count and
-    forwards all run on the actor's torch thread (cpu_share.TorchThread: libgomp's teams)."""
+    forwards all run on the actor's torch thread (darts_dist.torch_thread: libgomp's teams)."""
     from darts_dist.calibrate import features
     from darts_dist.sources import models
 

@@ -106,9 +106,7 @@ class CorrectionHandle:
         # where the calibration loss reads ĥ; with no task weights set that output is the plain h.
         self.record = False
         self.outputs: dict[str | int, Tensor] = {}
-        self.task_weights: Tensor | None = None  # [B, K]; None: every hook passes through
-        self._active: list[int] | None = None
-        self._placed: dict[torch.device, Tensor] = {}
+        self.set_task_weights(None)  # [B, K] task weights; None: every hook passes through
         self.positions: Tensor | None = None  # [B, S] of the running forward, set by the pre-hook
         modules = {layer: surgery_module(model, layer) for layer in corrections.layer_keys}
         # On the decoder, not the LM wrapper: it sees the same kwargs, and also runs when called alone.

@@ -9,11 +9,9 @@ running sequence in one forward. With `prefill_chunk_tokens`, a step prefills at
 (a quarter more for the oldest long prompt): whole prompts up to it (the others join at the next step), and a
 prompt longer than it in chunks, in a cache of its own, beside the decoding batch, joining it with its last chunk
 (the prompts with the fewest tokens left first): a long prompt never stalls the running streams for its whole
-prefill. Finished sequences
-leave at once, so a short answer never waits for a long one and a waiting request never waits for a
-whole batch. A request's sequences are one
-group, and groups share the batch fairly (`ContinuousBatcher`). Everything is per sequence: its
-task's correction (the hooks take one task weight row per sequence, and position ids count from
+prefill. Finished sequences leave at once, so a short answer never waits for a long one and a waiting
+request never waits for a whole batch. A request's sequences are one group, and groups share the batch
+fairly (`ContinuousBatcher`). Everything is per sequence: its task's correction (the hooks take one task weight row per sequence, and position ids count from
 each sequence's own first token), temperature, top_p, stop strings, max_tokens and a random
 generator of its own.
 
@@ -47,6 +45,7 @@ from darts_dist.generation.kv_cache import (BatchCache, CacheScope, LayerKV, Pre
                                             left_align)
 from darts_dist.generation.sampling import new_generator, next_tokens
 from darts_dist.generation.text import Completion, SequenceText
+from darts_dist.torch_thread import TorchThread
 
 logger = logging.getLogger(__name__)
 
@@ -577,36 +576,21 @@ class ContinuousBatcher:
 class EngineThread:
     """A `ContinuousBatcher` stepping on a thread of its own while it has work: the `Engine` of a server.
 
-    `build` makes the batcher (its model loaded) on that same thread, before the first step: the process's torch
-    work then runs on one thread. libgomp gives each thread that starts a parallel region a team of
-    OMP_NUM_THREADS threads of its own, and once the process holds more of them than it has cores, every team's
-    workers sleep between regions instead of spinning: a model loaded on one thread and run on another decoded at
-    batch 1 at the speed of one core (0.55x the same forward's rate in a replica on 2 cores, measured by
-    benchmarks/serve_decode.py).
+    `build` makes the batcher (its model loaded) on that same thread, before the first step, so that one thread does
+    the process's torch work (`darts_dist.torch_thread`: a model loaded on another thread decoded at one core's
+    speed); its error is raised here.
     """
 
     def __init__(self, build: Callable[[], ContinuousBatcher]) -> None:
         self._wake = threading.Condition()
         self._closed = False
-        built = threading.Event()
-        failed: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                self.batcher = build()
-            except BaseException as error:  # raised again by the constructor, on its caller's thread
-                failed.append(error)
-                return
-            finally:
-                built.set()
-            self._loop()
-
-        self._thread = threading.Thread(target=run, name="darts-engine", daemon=True)
-        self._thread.start()
-        built.wait()
-        if failed:
-            self._thread.join()
-            raise failed[0]
+        self._thread = TorchThread("darts-engine")
+        try:
+            self.batcher = self._thread.run(build)
+        except BaseException:
+            self._thread.close()
+            raise
+        self._loop_done = self._thread.start(self._loop)
 
     def submit(self, requests: Sequence[SequenceRequest], listeners: Sequence[Listener]) -> list[Ticket]:
         with self._wake:
@@ -630,7 +614,8 @@ class EngineThread:
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join()
+        self._loop_done.result()
+        self._thread.close()
         stopped = EngineStopped("the generation engine stopped", "send the request again")
         batcher = self.batcher
         for sequence in [*batcher.running, *(p.sequence for p in batcher.prefilling),

@@ -19,16 +19,11 @@ import getpass
 import math
 import os
 import tempfile
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
 
 from darts_dist.config import CpuSchedule
-
-T = TypeVar("T")
 
 
 def node_cores() -> int:
@@ -96,21 +91,3 @@ def take_share(share: CpuShare) -> ForwardTurn:
     torch.set_num_threads(share.threads)
     return ForwardTurn(share.turns)
 
-
-class TorchThread:
-    """One thread for all of an actor's torch work: its model's load, its thread count and its forwards.
-
-    libgomp gives each thread that starts a parallel region a team of threads of its own (and `set_num_threads`
-    sets the count of the calling thread's team only); once a process holds more team threads than it has cores,
-    every team's threads sleep between parallel regions instead of spinning. Ray runs an actor's constructor and
-    its calls on different threads (Ray Data's map workers call from a thread pool), so a model loaded in one and
-    run in the other ran at about one core's speed, whatever its thread count (generation.engine.EngineThread, which
-    does the same for a server's engine, has the measure).
-    """
-
-    def __init__(self, name: str) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
-
-    def run(self, work: Callable[..., T], *args: object) -> T:
-        """`work(*args)` on this thread; its exception is raised here."""
-        return self._pool.submit(work, *args).result()

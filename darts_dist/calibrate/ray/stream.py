@@ -30,8 +30,9 @@ from ray.actor import ActorHandle
 from darts_dist.config import CalibrationSection, ClusterSection, CpuSchedule
 from darts_dist.fanin import fan_in
 from darts_dist.memory import PeakMemory
-from darts_dist.ray_cluster.cpu_share import ForwardTurn, TorchThread, cpu_share, node_cores, take_share
+from darts_dist.ray_cluster.cpu_share import ForwardTurn, cpu_share, node_cores, take_share
 from darts_dist.ray_cluster.placement import expert_actor_options, gpu_ids
+from darts_dist.torch_thread import TorchThread
 
 if TYPE_CHECKING:
     import torch
