@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,21 @@ def test_too_few_rows_for_the_workers_is_refused_before_any_work(tiny_family, tm
     config = make_config(tiny_family, tmp_path, calibration={"num_samples": 4}, cluster={"num_workers": 2})
     with pytest.raises(DartsError, match="too few for 2 workers"):
         run_job(config, tiny_family)
+    assert not (config.run_dir / "ray-train").exists()
+
+
+@pytest.mark.slow
+def test_a_job_asking_for_missing_resources_waits_then_says_what_is_missing(ray_cluster, tiny_family,
+                                                                             tmp_path) -> None:
+    """A cluster with an autoscaler: the job leaves missing nodes to it, waits resource_wait_s, then says what is
+    missing, before any step (a fixed cluster's refusal by the plan's check, before any work: test_plan)."""
+    config = make_config(tiny_family, tmp_path, cluster={"expert_resources": {"gpu_node": 1}, "resource_wait_s": 2,
+                                                         "autoscaler": True})
+    started = time.monotonic()
+    with pytest.raises(DartsError, match="no room for the job's expert actors after waiting 2 s") as refused:
+        run_job(config, tiny_family)
+    assert time.monotonic() - started >= 2
+    assert "gpu_node" in refused.value.what and refused.value.fix and "resource_wait_s" in refused.value.fix
     assert not (config.run_dir / "ray-train").exists()
 
 

@@ -115,18 +115,6 @@ def test_a_submitted_calibration_runs_where_the_config_says(two_nodes, tiny_fami
         torch.testing.assert_close(a, b, atol=SAME_CORRECTIONS_ATOL, rtol=0, msg=name)
 
 
-def test_a_job_asking_for_missing_resources_fails_with_a_clear_message(two_nodes, tiny_family, tmp_path) -> None:
-    # (A fixed cluster's refusal by the plan's check, before any work: test_plan, on the session's cluster.)
-    # A cluster with an autoscaler: left to it, the job waits resource_wait_s for the nodes, then says what is missing.
-    config = write_config(tiny_family, tmp_path, expert_resources={"gpu_node": 1}, resource_wait_s=3, autoscaler=True)
-    job = submit(two_nodes, "calibrate", str(config), "--output-dir", str(tmp_path / "out"))
-    assert job.returncode != 0
-    logs = job.stdout + job.stderr
-    assert "no room for the job's expert actors after waiting 3 s" in logs, logs[-3000:]
-    assert "gpu_node" in logs and "fix:" in logs
-    assert not (tmp_path / "out" / "local-two-node" / "corrections.safetensors").exists()
-
-
 def jobs_listed(cluster: SimpleNamespace, token: str | None) -> tuple[int, list]:
     """The dashboard's job list over plain HTTP, with `token` as the bearer or without one: status and jobs."""
     request = urllib.request.Request(f"{cluster.dashboard}/api/jobs/",
