@@ -447,8 +447,9 @@ class ServeSection(_Section):
     # is at least its own size (so large requests are refused first), else 429 with Retry-After.
     max_waiting_sequences: PositiveInt = 128
     # Continuous batching: at every decoding step finished sequences leave and waiting ones join, up to
-    # max_batch_size sequences, while the KV cache they can grow to, rows × the longest prompt + max_tokens
-    # among them, stays within max_batch_tokens (about 46 kB a token for SmolLM2-135M in fp32: 16384 hold 0.75 GB).
+    # max_batch_size sequences, while their KV cache slots stay within max_batch_tokens: a slot per sequence, its
+    # prompt + max_tokens rounded up to a power of two (at least 16), allocated once (about 46 kB a token for
+    # SmolLM2-135M in fp32: 16384 hold 0.75 GB).
     max_batch_size: PositiveInt = 32
     max_batch_tokens: PositiveInt = 16384
     # Prompt prefixes (a system prompt, a chat template's opening) whose keys and values are kept, per API key and

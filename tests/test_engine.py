@@ -24,7 +24,7 @@ from darts_dist.generation import (
     Sampling,
     SequenceRequest,
 )
-from darts_dist.generation.kv_cache import PREFIX_BLOCK
+from darts_dist.generation.kv_cache import BAND_FIRST_ROWS, PREFIX_BLOCK, SlotCache, slot_width
 from darts_dist.generation.sampling import next_tokens, top_p_probabilities
 from darts_dist.generation.text import SequenceText
 from darts_dist.sources.models import BUNDLED_TOKENIZER, load_tokenizer
@@ -206,20 +206,82 @@ def test_a_cancelled_sequence_frees_its_slot_at_the_next_step(lm: CorrectedLM) -
     assert counts(batcher) == (0, 0, 7)
 
 
-def test_the_token_budget_bounds_the_cache_rows_times_its_widest_row(lm: CorrectedLM) -> None:
+def test_the_token_budget_bounds_the_sum_of_the_sequences_slots(lm: CorrectedLM) -> None:
     prompts = [lm.encode(p) for p in MORE[:3]]
-    widest = max(len(ids) for ids in prompts) + 8
-    batcher = ContinuousBatcher(lm, max_batch_size=8, max_batch_tokens=2 * widest)
+    slot = slot_width(max(len(ids) for ids in prompts) + 8, None)
+    batcher = ContinuousBatcher(lm, max_batch_size=8, max_batch_tokens=2 * slot)
     listeners = [Collect() for _ in prompts]
-    for ids, listener in zip(prompts, listeners):
-        batcher.add(SequenceRequest(tuple(ids), None, greedy(8)), listener)
+    for ids, listener in zip(prompts, listeners):  # each fills a slot of that width exactly
+        batcher.add(SequenceRequest(tuple(ids), None, greedy(slot - len(ids))), listener)
     batcher.step()
-    assert counts(batcher)[:2] == (1, 2)  # two rows of the widest fit, a third would not
+    assert counts(batcher)[:2] == (1, 2)  # two slots fit, a third would not
+    assert batcher.cache.allocated() <= 2 * slot  # the slots allocated stay within the budget
     batcher.run_until_idle()
     assert [listener.finished.batch_size for listener in listeners][:2] == [2, 2]
     assert all(listener.finished.batch_size <= 2 for listener in listeners)
     with pytest.raises(DartsError, match="token budget"):
-        batcher.add(SequenceRequest(tuple(prompts[0]), None, greedy(2 * widest)), Collect())
+        batcher.add(SequenceRequest(tuple(prompts[0]), None, greedy(4 * slot)), Collect())
+
+
+def test_a_long_prompt_takes_a_slot_of_its_own_width_and_no_step_copies_the_others(lm: CorrectedLM) -> None:
+    """Short streams decode in their band's slots; a long prompt joins a band of its own, beside them within a budget
+    that rows × its width would exceed; the short band's keys stay where they were (written in place, one column a
+    step); every answer equals its sequence generated alone."""
+    short = [MORE[0], MORE[1], PROMPTS[0]]
+    long_prompt = " ".join(["Question: what is 12 times 13, and why?"] * 12)
+    long_ids = lm.encode(long_prompt)
+    short_slot, long_slot = slot_width(max(len(lm.encode(p)) for p in short) + 12, None), slot_width(len(long_ids) + 4, None)
+    assert long_slot >= 4 * short_slot
+    # Room for the short band's first rows and the long one's slot; a budget this tight (short of the first rows)
+    # would make the short band give back its unused rows when the long one joins: a copy, left to the test above.
+    budget = BAND_FIRST_ROWS * short_slot + long_slot
+    assert 4 * long_slot > budget  # a rectangular cache of 4 rows of the long one's width would not fit
+    batcher = ContinuousBatcher(lm, max_batch_size=4, max_batch_tokens=budget)
+    listeners = [Collect() for _ in short]
+    for prompt, listener in zip(short, listeners):
+        batcher.add(SequenceRequest(tuple(lm.encode(prompt)), "code", greedy(12)), listener)
+    batcher.step()
+    band = batcher.cache.bands[short_slot]
+    where = [keys.data_ptr() for keys in band.keys]
+    long_listener = Collect()
+    batcher.add(SequenceRequest(tuple(long_ids), "math", greedy(4)), long_listener)
+    batcher.step()
+    assert sorted(batcher.cache.bands) == [short_slot, long_slot] and len(batcher.running) == 4
+    for _ in range(3):
+        batcher.step()
+        assert [keys.data_ptr() for keys in batcher.cache.bands[short_slot].keys] == where
+    batcher.run_until_idle()
+    assert [listener.finished.completion for listener in listeners] == lm.generate(short, ["code"] * 3,
+                                                                                   max_new_tokens=12)
+    assert long_listener.finished.completion == lm.generate([long_prompt], ["math"], max_new_tokens=4)[0]
+    assert long_listener.finished.batch_size == 4
+    assert batcher.cache.bands == {}  # every slot freed
+
+
+def test_a_band_gives_back_its_unused_rows_when_another_width_needs_the_budget(lm: CorrectedLM) -> None:
+    config = lm.model.config
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def tokens(length: int, value: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.full((heads, length, head_dim), value), torch.full((heads, length, head_dim), -value))
+                for _ in range(layers)]
+
+    cache = SlotCache(config, budget=3 * 16 + 64)
+    for owner in range(3):
+        cache.add(owner, tokens(5, owner + 1.0), 16)
+    assert cache.bands[16].capacity == 7  # its first rows, as many as the budget allows
+    cache.add("long", tokens(40, 9.0), 64)
+    assert cache.bands[16].capacity == 3 and cache.bands[64].capacity == 1 and cache.allocated() == 3 * 16 + 64
+    assert cache.order() == [0, 1, 2, "long"]
+    cache.remove(0)  # the band's last row moves into the freed one
+    assert cache.order() == [2, 1, "long"]
+    band = cache.bands[16]
+    assert torch.equal(band.keys[0][0, :, :5], torch.full((heads, 5, head_dim), 3.0))
+    assert torch.equal(band.values[-1][1, :, :5], torch.full((heads, 5, head_dim), -2.0))
+    with pytest.raises(RuntimeError, match="no room"):  # the batcher admits by the same budget: never by input
+        cache.add("too many", tokens(40, 1.0), 64)
+    assert sorted(cache.bands) == [16, 64] and cache.order() == [2, 1, "long"]
 
 
 def test_a_request_arriving_behind_a_large_one_joins_at_once_and_every_answer_stays_exact(lm: CorrectedLM) -> None:

@@ -18,7 +18,7 @@ from darts_dist.cli import main
 from darts_dist.config import EvaluationSection, TrackingSection, load_config, updated
 from darts_dist.core import ROUTED, TaskRouter, TokenizedSet, merged_hidden, prompt_features, row_prompt_features
 from darts_dist.errors import DartsError
-from darts_dist.generation import CorrectedLM
+from darts_dist.generation import ContinuousBatcher, CorrectedLM, Finished, Sampling, SequenceRequest
 from darts_dist.sources.data import TaskFiles, tokenized
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, pad_id
 from darts_dist.sources.references import ResolvedSources, resolve_sources
@@ -270,8 +270,9 @@ def test_routed_generation_takes_the_routers_task_or_no_correction(merged: Corre
 def test_soft_routing_mixes_the_corrections_by_the_routers_probabilities(merged: CorrectedLM) -> None:
     lm = routed_lm(merged, constant_router(merged, [0.25, 0.75], threshold=0.5), soft_routing=True)
     seen = []
-    # Read the weights the correction hooks apply while generating.
-    probe = lm.model.register_forward_pre_hook(lambda module, args: seen.append(lm._handle.task_weights.clone()))
+    # Read the weights the correction hooks applied while generating (after each forward: the prompt's own prefill
+    # routes it inside the forward).
+    probe = lm.model.register_forward_hook(lambda module, args, output: seen.append(lm._handle.task_weights.clone()))
     try:
         [completion] = lm.generate(PROMPTS[:1], [ROUTED], max_new_tokens=3)
     finally:
@@ -279,6 +280,47 @@ def test_soft_routing_mixes_the_corrections_by_the_routers_probabilities(merged:
         lm.close()
     assert completion.task == "math"
     assert seen and all(torch.allclose(w, torch.tensor([[0.25, 0.75]])) for w in seen)
+
+
+def test_a_routed_prompt_is_routed_in_its_own_prefill_as_a_pass_of_its_own_would(merged: CorrectedLM) -> None:
+    """One forward per routed prompt's prefill (whole, or in chunks pooled across them): the router's picks, their
+    confidences and the texts are those of routing in a pass of its own (`routes`) and naming the picked task."""
+    d = merged.model.config.hidden_size
+    generator = torch.Generator().manual_seed(3)
+    router = TaskRouter(TASKS, "final", torch.zeros(d), torch.ones(d), torch.randn(len(TASKS), d, generator=generator),
+                        torch.zeros(len(TASKS)), threshold=0.5)
+    lm = routed_lm(merged, router)
+    prompts = [*PROMPTS, "def scale(values, k):", "Question: 3 + 4 ="]
+    try:
+        assert lm.routes_in_prefill
+        encoded = [lm.encode(p) for p in prompts]
+        picks = lm.routes(encoded)
+        confidences = router.route(prompt_features(lm.model, encoded, "final", lm.pad_id), 0.5).confidence.tolist()
+        assert len(set(picks)) > 1  # the prompts go to different tasks
+        forwards = []
+        counter = lm.model.get_decoder().register_forward_pre_hook(lambda module, args: forwards.append(1))
+        try:
+            routed = lm.generate(prompts, [ROUTED] * len(prompts), max_new_tokens=1)
+        finally:
+            counter.remove()
+        assert len(forwards) == 1  # the prompts' one prefill, which drew each first (and last) token
+        assert [c.task for c in routed] == picks
+        assert [c.confidence for c in routed] == pytest.approx(confidences, abs=1e-4)
+        routed = lm.generate(prompts, [ROUTED] * len(prompts), max_new_tokens=8)
+        named = lm.generate(prompts, picks, max_new_tokens=8)
+        assert [c.text for c in routed] == [c.text for c in named]
+        # A long prompt prefilled a few tokens a step: its states pooled over every chunk, routed with the last.
+        long_prompt = " ".join(prompts)
+        batcher = ContinuousBatcher(lm, max_batch_size=2, prefill_chunk_tokens=4)
+        heard = []
+        batcher.add(SequenceRequest(tuple(lm.encode(long_prompt)), ROUTED, Sampling(6)), heard.append)
+        batcher.run_until_idle()
+        [finished] = [event for event in heard if isinstance(event, Finished)]
+        [pick] = lm.routes([lm.encode(long_prompt)])
+        assert finished.completion.task == pick
+        assert finished.completion.text == lm.generate([long_prompt], [pick], max_new_tokens=6)[0].text
+    finally:
+        lm.close()
 
 
 def test_a_router_must_match_the_corrections(merged: CorrectedLM) -> None:

@@ -107,6 +107,25 @@ def pool_prompts(hidden: Tensor, attention_mask: Tensor) -> Tensor:
     return torch.einsum("bs,bsd->bd", weights, hidden.float()) / weights.sum(dim=1, keepdim=True)
 
 
+class PromptPool:
+    """A prompt routed in its own prefill: its router-layer states summed so far (a long prompt's chunks one after
+    another) and how many tokens they are."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.count = 0
+
+    def add(self, states: torch.Tensor, mask: torch.Tensor) -> None:
+        """One forward's states [S, d] of this prompt, its real tokens where `mask` [S] is set."""
+        total = torch.einsum("s,sd->d", mask.to(states.device).float(), states.float())
+        self.total = total if self.total is None else self.total + total
+        self.count += int(mask.sum())
+
+    def mean(self) -> torch.Tensor:
+        """Its features: the mean state over its tokens (`pool_prompts` of the whole prompt), fp32 on the CPU."""
+        return (self.total / self.count).cpu()
+
+
 def prompt_mask(attention_mask: Tensor, response_mask: Tensor) -> Tensor:
     """A calibration row's prompt: its real tokens before the first response token, [B, S] bool.
 

@@ -22,7 +22,9 @@ from darts_dist.core import (
     TaskRouter,
     attach_corrections,
     one_hot_tasks,
+    PromptPool,
     prompt_features,
+    surgery_module,
     token_batch,
     token_nll,
 )
@@ -265,15 +267,54 @@ class CorrectedLM:
         greedy = (logits[:, :-1].argmax(-1) == input_ids[:, 1:]) | ~counted
         return [(-row_nll.item(), bool(row_greedy)) for row_nll, row_greedy in zip(nll.sum(-1), greedy.all(-1))]
 
+    @property
+    def routes_in_prefill(self) -> bool:
+        """Whether a routed prompt can be routed inside its own prefill (`routing_in_forward`): the router reads the
+        merged model's uncorrected states at its layer, so no correction may come before it, and none may change the
+        keys and values (one of a decoder layer's would, for the chunks and cached prefixes prefilled before the
+        pick). True for corrections of the final norm's output, the default."""
+        return self.router is not None and self._handle is not None and not self.corrects_kv
+
+    @contextlib.contextmanager
+    def routing_in_forward(self, weights: torch.Tensor | None, pools: dict[int, PromptPool], mask: torch.Tensor,
+                           final: bool) -> Iterator[dict[int, tuple[torch.Tensor, tuple[str | None, float | None]]]]:
+        """Inside the block, the forward adds each pooled row's states at the router's layer (its real tokens: `mask`
+        [B, S] over the forward's input) to its pool; in a `final` forward (the prompt's last tokens) it routes them
+        there, writing their correction weights into `weights` (the forward's, in place) before any correction reads
+        them. Yields row -> (weights row, (task applied, confidence)), filled by the forward."""
+        decided: dict[int, tuple[torch.Tensor, tuple[str | None, float | None]]] = {}
+        if not pools:
+            yield decided
+            return
+
+        def route(module: torch.nn.Module, args: tuple, output: object) -> None:
+            states = output if isinstance(output, torch.Tensor) else output[0]
+            for row, pool in pools.items():
+                pool.add(states[row], mask[row])
+            if final:
+                rows = list(pools)
+                picked, applied = self._routed(torch.stack([pools[row].mean() for row in rows]))
+                for row, row_weights, row_applied in zip(rows, picked, applied):
+                    weights[row] = row_weights
+                    decided[row] = (row_weights, row_applied)
+
+        hook = surgery_module(self.model, self.router.layer).register_forward_hook(route, prepend=True)
+        try:
+            yield decided
+        finally:
+            hook.remove()
+
     def routes(self, encoded: Sequence[Sequence[int]]) -> list[str | None]:
         """The task whose correction the router applies to each tokenised prompt (None: none, below the
         threshold), as `generate_ids` would for the routed id."""
         return [task for task, _ in self.task_weights([_ROUTE] * len(encoded), encoded)[1]]
 
     def task_weights(
-        self, task_ids: list[int], encoded: Sequence[Sequence[int]]
-    ) -> tuple[torch.Tensor | None, list[tuple[str | None, float | None]]]:
-        """[B, K] correction weights, and per sequence (task applied, router confidence); routed rows ask the router.
+        self, task_ids: list[int], encoded: Sequence[Sequence[int]], route: bool = True
+    ) -> tuple[torch.Tensor | None, list[tuple[str | None, float | None] | None]]:
+        """[B, K] correction weights, and per sequence (task applied, router confidence); routed rows ask the router,
+        in a pass of their own over their prompts, or with `route` False are left to `routing_in_forward` (no
+        correction yet, and None for what was applied).
 
         The router reads the merged model's uncorrected hidden states of the prompt: no task weights
         are set yet, so the hooks pass them through.
@@ -281,19 +322,33 @@ class CorrectedLM:
         if self._handle is None:
             return None, [(None, None)] * len(task_ids)
         weights = one_hot_tasks(torch.tensor([max(i, -1) for i in task_ids]), len(self.tasks))
-        applied: list[tuple[str | None, float | None]] = [(self.tasks[i] if i >= 0 else None, None) for i in task_ids]
+        applied: list[tuple[str | None, float | None] | None] = [(self.tasks[i] if i >= 0 else None, None)
+                                                                 for i in task_ids]
         routed = [row for row, i in enumerate(task_ids) if i == _ROUTE]
-        if routed:
+        if routed and not route:
+            for row in routed:
+                applied[row] = None
+        elif routed:
             features = prompt_features(self.model, [encoded[row] for row in routed], self.router.layer, self.pad_id,
                                        batch_size=len(routed))
-            routing = self.router.route(features, self.threshold)
-            for row, task, confidence, probabilities in zip(routed, routing.task.tolist(),
-                                                            routing.confidence.tolist(), routing.probabilities):
-                if task >= 0:
-                    weights[row] = probabilities if self.soft_routing else one_hot_tasks(torch.tensor([task]),
-                                                                                          len(self.tasks))[0]
-                applied[row] = (self.tasks[task] if task >= 0 else None, confidence)
+            for row, row_weights, row_applied in zip(routed, *self._routed(features)):
+                weights[row], applied[row] = row_weights, row_applied
         return weights, applied
+
+    def _routed(self, features: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple[str | None, float]]]:
+        """The router's pick for prompts' features [N, d]: each one's correction weights [K] (none below the
+        threshold; the probabilities themselves with soft routing) and (task applied, confidence)."""
+        routing = self.router.route(features, self.threshold)
+        picked, applied = [], []
+        for task, confidence, probabilities in zip(routing.task.tolist(), routing.confidence.tolist(),
+                                                   routing.probabilities):
+            if task < 0:
+                picked.append(torch.zeros(len(self.tasks)))
+            else:
+                picked.append(probabilities.float() if self.soft_routing else
+                              one_hot_tasks(torch.tensor([task]), len(self.tasks))[0])
+            applied.append((self.tasks[task] if task >= 0 else None, confidence))
+        return picked, applied
 
     @contextlib.contextmanager
     def weighted(self, weights: torch.Tensor | None) -> Iterator[None]:

@@ -1,9 +1,10 @@
 """Continuous batching: the engine every darts-dist generation runs through (serving, pyfunc, evaluation).
 
-A running set of sequences shares one left-aligned KV cache. Each `step` drops the cancelled,
-lets waiting sequences join while the batch has room (`max_batch_size` sequences, and a KV cache
-that can grow to at most `max_batch_tokens` slots: rows × the longest prompt + max_tokens among
-them), prefills the joiners in one forward (a prompt prefix seen before, such as a system prompt,
+A running set of sequences shares one KV cache, a slot per sequence (`kv_cache.SlotCache`: a decoding step
+writes one column per sequence, a join or a finish copies no other sequence's keys). Each `step` drops the
+cancelled, lets waiting sequences join while the batch has room (`max_batch_size` sequences, and slots of at most
+`max_batch_tokens` tokens in all: each sequence's prompt + max_tokens, rounded up to its slot's width), prefills
+the joiners in one forward (a prompt prefix seen before, such as a system prompt,
 is taken from the prefix cache instead of computed again), then decodes one token for every
 running sequence in one forward. With `prefill_chunk_tokens`, a step prefills at most that many prompt tokens
 (a quarter more for the oldest long prompt): whole prompts up to it (the others join at the next step), and a
@@ -39,10 +40,18 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.cache_utils import DynamicCache
 
 from darts_dist.config import PREFIX_CACHE_TOKENS
-from darts_dist.core import mask_positions, token_batch
+from darts_dist.core import PromptPool, mask_positions, token_batch
 from darts_dist.errors import DartsError
-from darts_dist.generation.kv_cache import (BatchCache, CacheScope, LayerKV, PrefixCache, cache_with_past, check_full_attention,
-                                            left_align)
+from darts_dist.generation.kv_cache import (
+    CacheScope,
+    LayerKV,
+    PrefixCache,
+    SlotCache,
+    cache_with_past,
+    check_full_attention,
+    slot_width,
+    use_slot_attention,
+)
 from darts_dist.generation.sampling import new_generator, next_tokens
 from darts_dist.generation.text import Completion, SequenceText
 from darts_dist.torch_thread import TorchThread
@@ -138,10 +147,15 @@ class CorrectedModel(Protocol):
 
     def task_index(self, task: str | None) -> int: ...
 
-    def task_weights(self, task_ids: list[int], encoded: Sequence[Sequence[int]]
-                     ) -> tuple[torch.Tensor | None, list[tuple[str | None, float | None]]]: ...
+    routes_in_prefill: bool  # whether a routed prompt is routed inside its own prefill (`routing_in_forward`)
+
+    def task_weights(self, task_ids: list[int], encoded: Sequence[Sequence[int]], route: bool = True
+                     ) -> tuple[torch.Tensor | None, list[tuple[str | None, float | None] | None]]: ...
 
     def weighted(self, weights: torch.Tensor | None) -> contextlib.AbstractContextManager[None]: ...
+
+    def routing_in_forward(self, weights: torch.Tensor | None, pools: dict[int, PromptPool], mask: torch.Tensor,
+                           final: bool) -> contextlib.AbstractContextManager[dict[int, tuple]]: ...
 
 
 class _Sequence:
@@ -158,10 +172,12 @@ class _Sequence:
         self.generator = generator
         self.text = text
         self.weights: torch.Tensor | None = None  # [K] correction weights, set at prefill (routing decides)
+        self.pool: PromptPool | None = None  # a routed prompt's states until its own prefill routes it
         self.applied: tuple[str | None, float | None] = (None, None)  # the task applied, the router's confidence
         self.length = len(request.ids)  # tokens in the KV cache
         self.pending = -1  # the last token drawn, not in the cache yet
         self.started = False  # prefilled once: routed, its prompt counted
+        self.joined = 0  # when it last joined the running batch (the batcher's count of joins)
         self.batch_size = 0
         self.done = False  # Finished or failed: it hears nothing more
 
@@ -229,6 +245,7 @@ class ContinuousBatcher:
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
             raise DartsError(f"prefill_chunk_tokens must be at least 1, got {prefill_chunk_tokens}")
         check_full_attention(lm.model.config)  # before any request, not at the first join
+        use_slot_attention(lm.model)
         self.lm = lm
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
@@ -241,7 +258,8 @@ class ContinuousBatcher:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefilling: list[_Prefilling] = []
         self.prefilled = 0  # prompt tokens prefilled whole in this step (the chunk takes the rest of the budget)
-        self.cache = BatchCache()
+        self.cache = self._new_cache()
+        self.joins = 0
         self.prefixes = PrefixCache(prefix_cache_tokens)
         self.generated_tokens = 0
         self.prompt_tokens = 0
@@ -341,7 +359,7 @@ class ContinuousBatcher:
             failed = [s for s in sequences if not s.done]
             self.prefilling = [p for p in self.prefilling if p.sequence not in sequences]
             if any(s in self.running for s in sequences):
-                self.running, self.cache = [s for s in self.running if s not in sequences], BatchCache()
+                self.running, self.cache = [s for s in self.running if s not in sequences], self._new_cache()
                 # Whoever is left lost its cache with the others': it fails too, rather than decode without it.
                 failed += [s for s in self.running if not s.done]
                 self.running = []
@@ -387,15 +405,19 @@ class ContinuousBatcher:
                     self.waiting[group] = queue  # its turn is over: to the end
         return joining
 
+    def _new_cache(self) -> SlotCache:
+        return SlotCache(self.lm.model.config, self.max_batch_tokens)
+
+    def _slot(self, sequence: _Sequence) -> int:
+        """The width of its slot: it never grows past its prompt + max_tokens."""
+        return slot_width(sequence.reserved, self.max_batch_tokens)
+
     def _fits(self, joining: list[_Sequence], sequence: _Sequence) -> bool:
-        """Whether `sequence` fits beside the running and joining ones: the left-aligned cache is rows × its widest
-        row, and no row grows past its prompt + max_tokens."""
+        """Whether `sequence` fits beside the running and joining ones: their slots within the token budget."""
         admitted = [*self.running, *(p.sequence for p in self.prefilling), *joining, sequence]
-        rows = len(admitted)
-        if rows > self.max_batch_size:
+        if len(admitted) > self.max_batch_size:
             return False
-        widest = max(s.reserved for s in admitted)
-        return self.max_batch_tokens is None or rows * widest <= self.max_batch_tokens
+        return self.max_batch_tokens is None or sum(map(self._slot, admitted)) <= self.max_batch_tokens
 
     def _preempt(self, held: Counter) -> bool:
         """Put back one running sequence of the group running the most (if it runs more than one): the newest of
@@ -404,7 +426,7 @@ class ContinuousBatcher:
         group, count = max(running.items(), key=lambda item: item[1], default=(None, 0))
         if count < 2:
             return False
-        victim = next(s for s in reversed(self.running) if s.group is group)
+        victim = max((s for s in self.running if s.group is group), key=lambda s: s.joined)
         self._leave([victim])
         held[group] -= 1
         self.preempted += 1
@@ -422,10 +444,15 @@ class ContinuousBatcher:
         """
         fresh = [s for s in joining if not s.started]  # a preempted sequence keeps its routing
         if fresh:
-            weights, applied = self.lm.task_weights([s.task_index for s in fresh], [s.request.ids for s in fresh])
+            in_prefill = self.lm.routes_in_prefill  # else a pass of the router's own over the prompts first
+            weights, applied = self.lm.task_weights([s.task_index for s in fresh], [s.request.ids for s in fresh],
+                                                    route=not in_prefill)
             for row, sequence in enumerate(fresh):
                 sequence.weights = None if weights is None else weights[row]
-                sequence.applied = applied[row]
+                if applied[row] is None:  # routed by its own prefill, which computes its whole prompt
+                    sequence.pool = PromptPool()
+                else:
+                    sequence.applied = applied[row]
                 sequence.started = True
             self.prompt_tokens += sum(len(s.request.ids) for s in fresh)
         groups: dict[int, list[_Joiner]] = {}
@@ -435,7 +462,8 @@ class ContinuousBatcher:
             correction = (tuple(sequence.weights.tolist()) if sequence.weights is not None and self.lm.corrects_kv
                           else None)
             scope = (sequence.request.cache_salt, correction)
-            cached, kv = self.prefixes.lookup(scope, sequence.prompt)
+            # A prompt routed in its prefill is computed whole: the router pools every token's states.
+            cached, kv = (0, None) if sequence.pool is not None else self.prefixes.lookup(scope, sequence.prompt)
             if sequence in fresh:
                 self.cached_prompt_tokens += cached
             if self.prefill_chunk_tokens is not None and sequence.length - cached > self.prefill_chunk_tokens:
@@ -448,8 +476,7 @@ class ContinuousBatcher:
 
     def _prefill_group(self, cached: int, group: list[_Joiner], fresh: list[_Sequence]) -> None:
         """One forward over joiners whose first `cached` prompt tokens are in the prefix cache: the rest of each
-        prompt left-padded after the cached keys and values; the mask and position ids say where each token is;
-        after the forward the rows are left-aligned, so no hole joins the batch."""
+        prompt left-padded after the cached keys and values; the mask and position ids say where each token is."""
         sequences = [sequence for sequence, _, _ in group]
         input_ids, mask = token_batch([s.prompt[cached:] for s in sequences], self.lm.pad_id, side="left")
         positions = mask_positions(mask) + cached * mask
@@ -461,8 +488,6 @@ class ContinuousBatcher:
         for row, (sequence, scope, _) in enumerate(group):
             if sequence in fresh:
                 self._store_prefix(scope, sequence, cache, row, mask[row])
-        if past is not None:  # no holes between a cached prefix and the rest of its prompt in the batch
-            mask = left_align(cache, mask)
         self._join(sequences, cache, mask, logits)
 
     def _chunks(self) -> list[tuple[_Prefilling, int]]:
@@ -490,7 +515,7 @@ class ContinuousBatcher:
         input_ids = torch.tensor([prompt[chunk.done:end]])
         positions = torch.arange(chunk.done, end)[None]
         mask = torch.ones(1, end, dtype=torch.long)
-        logits = self._forward(input_ids, mask, positions, chunk.cache, [sequence])
+        logits = self._forward(input_ids, mask, positions, chunk.cache, [sequence], last=end == len(prompt))
         chunk.done = end
         if end < len(prompt):
             return
@@ -509,9 +534,16 @@ class ContinuousBatcher:
 
     def _join(self, sequences: list[_Sequence], cache: DynamicCache, mask: torch.Tensor,
               logits: torch.Tensor) -> None:
-        """Prefilled sequences join the running batch's cache and draw their first tokens."""
-        self.cache.join(cache, mask.to(self.device))
-        self.running += sequences
+        """Prefilled sequences join the running batch, their tokens (the mask's columns) copied into their slots, and
+        draw their first tokens."""
+        mask = mask.to(self.device)
+        for row, sequence in enumerate(sequences):
+            columns = mask[row].nonzero().squeeze(1)
+            self.cache.add(sequence, [(layer.keys[row][:, columns], layer.values[row][:, columns])
+                                      for layer in cache.layers], self._slot(sequence))
+            self.joins += 1
+            sequence.joined = self.joins
+        self.running = self.cache.order()
         self._advance(sequences, logits)
 
     @staticmethod
@@ -526,19 +558,25 @@ class ContinuousBatcher:
         running = self.running
         input_ids = torch.tensor([[s.pending] for s in running])
         positions = torch.tensor([[s.length] for s in running])
-        logits = self._forward(input_ids, self.cache.extend(), positions, self.cache.cache, running)
+        mask = self.cache.begin_decode([s.length for s in running], self.device)
+        logits = self._forward(input_ids, mask, positions, self.cache, running)
         for sequence in running:
             sequence.length += 1
         self._advance(running, logits)
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
-                 sequences: list[_Sequence]) -> torch.Tensor:
-        """Last-position logits [B, V] of one forward, each row under its own sequence's correction."""
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: DynamicCache | SlotCache, sequences: list[_Sequence], last: bool = True) -> torch.Tensor:
+        """Last-position logits [B, V] of one forward, each row under its own sequence's correction; prompts routed
+        in their prefill are routed in it (`last`: it holds their prompts' last tokens) before any correction."""
         weights = None if sequences[0].weights is None else torch.stack([s.weights for s in sequences])
-        with self.lm.weighted(weights):
+        pools = {row: s.pool for row, s in enumerate(sequences) if s.pool is not None}
+        tokens = mask[:, -input_ids.shape[1]:] if mask.ndim == 2 else mask  # the input's columns of a prefill's mask
+        with self.lm.weighted(weights), self.lm.routing_in_forward(weights, pools, tokens, last) as decided:
             output = self.lm.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                                    position_ids=positions.to(self.device), cache=cache, use_cache=True,
                                    logits_to_keep=1)
+        for row, (row_weights, applied) in decided.items():
+            sequences[row].weights, sequences[row].applied, sequences[row].pool = row_weights, applied, None
         return output.logits[:, -1]
 
     def _advance(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
@@ -568,9 +606,9 @@ class ContinuousBatcher:
     def _leave(self, leaving: list[_Sequence]) -> None:
         if not leaving:
             return
-        kept = [row for row, s in enumerate(self.running) if s not in leaving]
-        self.cache.keep(kept)
-        self.running = [self.running[row] for row in kept]
+        for sequence in leaving:
+            self.cache.remove(sequence)
+        self.running = self.cache.order()
 
 
 class EngineThread:

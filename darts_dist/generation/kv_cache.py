@@ -1,25 +1,39 @@
-"""A left-aligned batch KV cache that sequences join and leave between decoding steps, and a cache of
-prompt prefixes.
+"""The running batch's KV cache in slots that sequences join and leave between decoding steps, the attention that
+reads it, and a cache of prompt prefixes.
 
-Every row's tokens end at the last column and padding sits at the left (a prefill that reused a
-cached prefix is left-aligned before it joins), so one forward decodes every row's next token and
-the cache is the batch's rows × its longest row. A joining batch is padded on the left to
-the longer of the two lengths and stacked under the running rows; leaving rows are dropped, and
-columns that are padding in every row left are cut. Only transformers' DynamicCache of full-attention
-layers is taken: its per-layer key and value tensors are [B, heads, S, head_dim].
+Each sequence holds a slot of its own for its whole life: a row of a band, the slots of one width (the next power
+of two at or above its prompt + max_tokens, at least SLOT_MIN_WIDTH, at most the batch's token budget), per layer
+keys and values [rows, kv heads, width, head dim] allocated once. A decoding step writes one column per sequence
+(its next position) and attention reads each band's rows up to their longest, under a mask of each row's own
+length: nothing is concatenated or copied per step. A joining sequence's prompt is copied into a free row of its
+band; a leaving one's row is refilled by its band's last (one row's copy). A band doubles its rows when full
+(within the budget), so joins copy its rows now and then, never another band's. Bands keep long prompts from
+widening short ones: a 2,000-token prompt beside 31 short streams costs its own slot, not 32 rows of 2,000.
+
+Attention over the slots runs through transformers' AttentionInterface (`use_slot_attention`): in a decoding
+step, transformers' own SDPA attention once per band; every other forward (prefills, which compute in a
+transformers DynamicCache of their own) goes to the model's implementation as before. Only full-attention layers
+are taken (`check_full_attention`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from transformers import PretrainedConfig
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from darts_dist.errors import DartsError
+
+LayerKV = list[tuple[Tensor, Tensor]]  # per layer: keys, values [heads, tokens, head_dim]
+SLOT_MIN_WIDTH = 16
+BAND_FIRST_ROWS = 8  # a band's rows when it opens; it doubles them when full
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:
@@ -32,70 +46,207 @@ def _layers(cache: DynamicCache) -> list[DynamicLayer]:
 
 
 def check_full_attention(config: PretrainedConfig) -> None:
-    """A DartsError now, for a model whose KV cache the batch cache cannot join and cut."""
+    """A DartsError now, for a model whose KV cache the slots cannot hold."""
     _layers(DynamicCache(config=config))
 
 
-def left_align(cache: DynamicCache, mask: Tensor) -> Tensor:
-    """Move each row's tokens to the right end of a cache whose mask has holes (a cached prefix, padding, the
-    rest of the prompt), in order; returns the new mask. The columns freed on the left are padding."""
-    width = int(mask.sum(1).max())
-    # A stable sort puts each row's padding first and keeps its tokens in order: the last `width` columns.
-    index = torch.sort(mask, dim=1, stable=True).indices[:, -width:]
-    for layer in _layers(cache):
-        gather = index.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1,
-                                                                       layer.keys.shape[3])
-        layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
-    return torch.gather(mask, 1, index)
+def slot_width(tokens: int, budget: int | None) -> int:
+    """The width of the slot a sequence of at most `tokens` tokens holds: the next power of two, at least
+    SLOT_MIN_WIDTH, at most `budget` (the batch's token budget; None: none)."""
+    width = max(SLOT_MIN_WIDTH, 1 << (tokens - 1).bit_length())
+    return width if budget is None else max(tokens, min(width, budget))
 
 
-def _pad_left(tensor: Tensor, length: int, dim: int) -> Tensor:
-    missing = length - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    pad = [0, 0] * (tensor.ndim - 1 - dim % tensor.ndim) + [missing, 0]
-    return F.pad(tensor, pad)
+@dataclass(frozen=True)
+class _BandStep:
+    """A decoding step's view of one band: its rows r0:r1 of the batch, each row's write column (its length so
+    far), and the mask of each row's own tokens over the columns attention reads."""
+
+    band: _Band
+    r0: int
+    r1: int
+    rows: Tensor
+    columns: Tensor
+    mask: Tensor  # [rows, 1, 1, read] bool
 
 
-class BatchCache:
-    """The running rows' KV cache and attention mask [B, S] (1 on real tokens)."""
+@dataclass(frozen=True)
+class SlotKV:
+    """What a slot layer hands attention in a decoding step: per band, its keys and values up to its longest row."""
 
-    def __init__(self) -> None:
-        self.cache: DynamicCache | None = None
-        self.mask: Tensor | None = None
+    parts: list[tuple[_BandStep, Tensor, Tensor]]
+
+
+class _Band:
+    """The slots of one width: per layer, keys and values [capacity, kv heads, width, head dim]; `owners[i]` is the
+    sequence in row i (rows 0..len(owners)-1 are used)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.owners: list[object] = []
 
     @property
-    def rows(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[0]
+    def capacity(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
 
-    def join(self, cache: DynamicCache, mask: Tensor) -> None:
-        """Stack a prefilled batch's cache and mask under the running rows'."""
-        if self.cache is None:
-            self.cache, self.mask = cache, mask
-            return
-        length = max(self.mask.shape[1], mask.shape[1])
-        for mine, theirs in zip(_layers(self.cache), _layers(cache), strict=True):
-            mine.keys = torch.cat([_pad_left(mine.keys, length, -2), _pad_left(theirs.keys, length, -2)])
-            mine.values = torch.cat([_pad_left(mine.values, length, -2), _pad_left(theirs.values, length, -2)])
-        self.mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(mask.to(self.mask.device), length, 1)])
+    def resize(self, rows: int, like: LayerKV) -> None:
+        """Reallocate to `rows` rows, keeping the used ones; `like` (per layer keys and values [kv heads, tokens,
+        head dim]) gives the heads, head size, dtype and device."""
+        used = len(self.owners)
+        keys, values = [], []
+        for layer, (k, v) in enumerate(like):
+            new_k = k.new_zeros(rows, k.shape[0], self.width, k.shape[-1])
+            new_v = v.new_zeros(rows, v.shape[0], self.width, v.shape[-1])
+            if used:
+                new_k[:used], new_v[:used] = self.keys[layer][:used], self.values[layer][:used]
+            keys.append(new_k)
+            values.append(new_v)
+        self.keys, self.values = keys, values
 
-    def extend(self) -> Tensor:
-        """The mask for one more token in every row (the step about to run), kept as the new mask."""
-        self.mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], dim=1)
-        return self.mask
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order; cut the columns that are padding in all of them."""
-        if not rows:
-            self.cache = self.mask = None
-            return
-        index = torch.tensor(rows, device=self.mask.device)
-        mask = self.mask.index_select(0, index)
-        start = int(mask.any(0).long().argmax())  # the first column some kept row uses
-        self.mask = mask[:, start:]
-        for layer in _layers(self.cache):
-            layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))[..., start:, :]
-            layer.values = layer.values.index_select(0, index.to(layer.values.device))[..., start:, :]
+class SlotCache(Cache):
+    """The running sequences' KV cache: a slot per sequence, in bands by width, within `budget` tokens (None: no
+    limit) of allocated slots. `order()` is the batch's row order (band by band), which a decoding step's inputs
+    follow."""
+
+    def __init__(self, config: PretrainedConfig, budget: int | None) -> None:
+        super().__init__(layers=[_SlotLayer(self, index) for index in range(len(_layers(DynamicCache(config=config))))])
+        self.budget = budget
+        self.bands: dict[int, _Band] = {}
+        self.band_of: dict[object, _Band] = {}
+        self.step: list[_BandStep] = []
+
+    def allocated(self) -> int:
+        """Tokens' worth of slots allocated, used or not."""
+        return sum(band.capacity * band.width for band in self.bands.values())
+
+    def order(self) -> list:
+        return [owner for width in sorted(self.bands) for owner in self.bands[width].owners]
+
+    def add(self, owner: object, kv: LayerKV, width: int) -> None:
+        """`owner`'s tokens so far (`kv`: per layer keys and values [kv heads, tokens, head dim]) into a free row of
+        the band of `width`."""
+        band = self.bands.get(width) or _Band(width)
+        row = len(band.owners)
+        if row == band.capacity:
+            self._grow(band, kv)
+        self.bands[width] = band
+        length = kv[0][0].shape[1]
+        for layer, (keys, values) in enumerate(kv):
+            band.keys[layer][row, :, :length] = keys
+            band.values[layer][row, :, :length] = values
+        band.owners.append(owner)
+        self.band_of[owner] = band
+
+    def remove(self, owner: object) -> None:
+        """Free `owner`'s row: its band's last row moves into it; an empty band is freed."""
+        band = self.band_of.pop(owner)
+        row, last = band.owners.index(owner), len(band.owners) - 1
+        if row != last:
+            for keys, values in zip(band.keys, band.values):
+                keys[row], values[row] = keys[last], values[last]
+            band.owners[row] = band.owners[last]
+        band.owners.pop()
+        if not band.owners:
+            del self.bands[band.width]
+
+    def _grow(self, band: _Band, kv: LayerKV) -> None:
+        """Room for one more row: double the band's rows, within the budget (other bands' unused rows given back
+        first when the budget is short)."""
+        needed = band.capacity + 1
+        rows = max(needed, 2 * band.capacity, BAND_FIRST_ROWS)
+        if self.budget is not None:
+            if (self.budget - self.allocated() + band.capacity * band.width) // band.width < needed:
+                for other in self.bands.values():
+                    if other is not band and other.capacity > len(other.owners):
+                        other.resize(len(other.owners), kv)
+            room = (self.budget - self.allocated() + band.capacity * band.width) // band.width
+            if room < needed:  # the engine admits sequences by the same budget: a bug, not an input
+                raise RuntimeError(f"no room in the KV cache's budget of {self.budget} tokens for a slot of "
+                                   f"{band.width}")
+            rows = min(rows, room)
+        band.resize(rows, kv)
+
+    def begin_decode(self, lengths: list[int], device: torch.device) -> Tensor:
+        """Set up a decoding step: `lengths[i]`, the tokens row i of `order()` holds (its new token goes there).
+        Returns the attention mask to pass the forward (a placeholder: attention reads each band's own)."""
+        self.step, start = [], 0
+        for width in sorted(self.bands):
+            band = self.bands[width]
+            end = start + len(band.owners)
+            columns = torch.tensor(lengths[start:end], device=device)
+            read = int(max(lengths[start:end])) + 1
+            mask = (torch.arange(read, device=device) <= columns[:, None])[:, None, None, :]
+            self.step.append(_BandStep(band, start, end, torch.arange(end - start, device=device), columns, mask))
+            start = end
+        return torch.ones(len(lengths), 1, 1, 1, dtype=torch.bool, device=device)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # the engine gives every forward its position ids
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One decoder layer's view of the slot cache, as transformers' attention calls it."""
+
+    is_sliding = False
+
+    def __init__(self, cache: SlotCache, index: int) -> None:
+        super().__init__()
+        self.cache, self.index = cache, index
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        pass
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[SlotKV, SlotKV]:
+        """Write each row's new key and value [B, kv heads, 1, head dim] at its column; hand attention the bands."""
+        parts = []
+        for step in self.cache.step:
+            keys, values = step.band.keys[self.index], step.band.values[self.index]
+            keys[step.rows, :, step.columns] = key_states[step.r0:step.r1, :, 0]
+            values[step.rows, :, step.columns] = value_states[step.r0:step.r1, :, 0]
+            read = step.mask.shape[-1]
+            parts.append((step, keys[:len(step.rows), :, :read], values[:len(step.rows), :, :read]))
+        view = SlotKV(parts)
+        return view, view
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def _slot_attention(original: str):
+    """An attention function: a decoding step's slots band by band with transformers' SDPA attention; any other
+    forward with the model's own implementation (`original`; eager's math is SDPA's)."""
+    fallback = ALL_ATTENTION_FUNCTIONS[original] if original in ALL_ATTENTION_FUNCTIONS else sdpa_attention_forward
+
+    def attention(module, query: Tensor, key, value, attention_mask, **kwargs):
+        if not isinstance(key, SlotKV):
+            return fallback(module, query, key, value, attention_mask, **kwargs)
+        outputs = [sdpa_attention_forward(module, query[step.r0:step.r1], keys, values, step.mask, **kwargs)[0]
+                   for step, keys, values in key.parts]
+        return torch.cat(outputs), None
+
+    return attention
+
+
+def use_slot_attention(model: PreTrainedModel) -> None:
+    """Make `model`'s attention read a SlotCache (transformers' AttentionInterface, registered per original
+    implementation, whose masks it keeps)."""
+    original = model.config._attn_implementation
+    if original.startswith("darts_slots_"):
+        return
+    name = f"darts_slots_{original}"
+    AttentionInterface.register(name, _slot_attention(original))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original if original in
+                                                                        ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"])
+    model.set_attn_implementation(name)
 
 
 # Prompt prefixes are cached in blocks of this many tokens: smaller blocks hit more of a shared prefix.
@@ -106,7 +257,6 @@ CacheScope = tuple[str | None, tuple[float, ...] | None]
 # The key of a block: its scope, and every prompt token up to the block's end, since a block's keys and values
 # depend on all of them.
 BlockKey = tuple[CacheScope, tuple[int, ...]]
-LayerKV = list[tuple[Tensor, Tensor]]  # per layer: keys, values [heads, tokens, head_dim]
 
 
 class PrefixCache:
