@@ -24,7 +24,7 @@ from darts_dist.generation import (
     Sampling,
     SequenceRequest,
 )
-from darts_dist.generation.kv_cache import BAND_FIRST_ROWS, PREFIX_BLOCK, SlotCache, slot_width
+from darts_dist.generation.kv_cache import PREFIX_BLOCK, SlotCache, slot_width
 from darts_dist.generation.sampling import next_tokens, top_p_probabilities
 from darts_dist.generation.text import SequenceText
 from darts_dist.sources.models import BUNDLED_TOKENIZER, load_tokenizer
@@ -225,35 +225,33 @@ def test_the_token_budget_bounds_the_sum_of_the_sequences_slots(lm: CorrectedLM)
 
 def test_a_long_prompt_takes_a_slot_of_its_own_width_and_no_step_copies_the_others(lm: CorrectedLM) -> None:
     """Short streams decode in their band's slots; a long prompt joins a band of its own, beside them within a budget
-    that rows × its width would exceed; the short band's keys stay where they were (written in place, one column a
-    step); every answer equals its sequence generated alone."""
+    that rows × its width would exceed; then every step writes in place (no band is copied); every answer equals its
+    sequence generated alone."""
     short = [MORE[0], MORE[1], PROMPTS[0]]
     long_prompt = " ".join(["Question: what is 12 times 13, and why?"] * 12)
     long_ids = lm.encode(long_prompt)
-    short_slot, long_slot = slot_width(max(len(lm.encode(p)) for p in short) + 12, None), slot_width(len(long_ids) + 4, None)
+    short_slot, long_slot = slot_width(max(len(lm.encode(p)) for p in short) + 12, None), slot_width(len(long_ids) + 8, None)
     assert long_slot >= 4 * short_slot
-    # Room for the short band's first rows and the long one's slot; a budget this tight (short of the first rows)
-    # would make the short band give back its unused rows when the long one joins: a copy, left to the test above.
-    budget = BAND_FIRST_ROWS * short_slot + long_slot
+    budget = 3 * short_slot + long_slot
     assert 4 * long_slot > budget  # a rectangular cache of 4 rows of the long one's width would not fit
     batcher = ContinuousBatcher(lm, max_batch_size=4, max_batch_tokens=budget)
     listeners = [Collect() for _ in short]
     for prompt, listener in zip(short, listeners):
         batcher.add(SequenceRequest(tuple(lm.encode(prompt)), "code", greedy(12)), listener)
     batcher.step()
-    band = batcher.cache.bands[short_slot]
-    where = [keys.data_ptr() for keys in band.keys]
     long_listener = Collect()
-    batcher.add(SequenceRequest(tuple(long_ids), "math", greedy(4)), long_listener)
+    batcher.add(SequenceRequest(tuple(long_ids), "math", greedy(8)), long_listener)
     batcher.step()
     assert sorted(batcher.cache.bands) == [short_slot, long_slot] and len(batcher.running) == 4
+    assert batcher.cache.allocated() <= budget
+    where = {width: [keys.data_ptr() for keys in band.keys] for width, band in batcher.cache.bands.items()}
     for _ in range(3):
         batcher.step()
-        assert [keys.data_ptr() for keys in batcher.cache.bands[short_slot].keys] == where
+        assert {width: [keys.data_ptr() for keys in band.keys] for width, band in batcher.cache.bands.items()} == where
     batcher.run_until_idle()
     assert [listener.finished.completion for listener in listeners] == lm.generate(short, ["code"] * 3,
                                                                                    max_new_tokens=12)
-    assert long_listener.finished.completion == lm.generate([long_prompt], ["math"], max_new_tokens=4)[0]
+    assert long_listener.finished.completion == lm.generate([long_prompt], ["math"], max_new_tokens=8)[0]
     assert long_listener.finished.batch_size == 4
     assert batcher.cache.bands == {}  # every slot freed
 
@@ -387,7 +385,8 @@ def test_a_steps_prefill_takes_whole_prompts_up_to_the_chunk_budget_and_the_rest
 
 
 def test_a_prompt_just_over_the_budget_is_not_held_behind_a_very_long_one(lm: CorrectedLM) -> None:
-    """Chunks go to the prompts with the fewest tokens left first; the oldest still gets a quarter of the budget."""
+    """Chunks go to the prompts with the fewest tokens left first; the oldest still gets a quarter of the budget
+    every other step, however many shorter prompts keep coming."""
     medium = tuple(lm.encode(" ".join(MORE)))
     budget = len(medium) - 2
     long = tuple(lm.encode(" ".join(MORE * 8)))
@@ -397,13 +396,25 @@ def test_a_prompt_just_over_the_budget_is_not_held_behind_a_very_long_one(lm: Co
     batcher.add(SequenceRequest(long, "code", greedy(2)), first)
     batcher.step()
     batcher.add(SequenceRequest(medium, "math", greedy(5)), second)
-    batcher.step()  # the medium prompt takes the budget, the long one a quarter of it
+    batcher.step()  # the medium prompt takes the budget (the long one had a whole chunk the step before)
     batcher.step()  # the medium prompt's last 2 tokens: it joins and draws its first token
     assert [s.request.ids for s in batcher.running] == [medium] and batcher.prefilling[0].sequence.request.ids == long
-    assert batcher.prefilling[0].done == budget + budget // 4 + (budget - 2)  # then what the medium one left
+    assert batcher.prefilling[0].done == budget + (budget - 2)  # then what the medium one left
+    # A medium prompt arriving every step takes the budget first; the long one still gets a quarter every other step.
+    others = [Collect() for _ in range(6)]
+    for index, listener in enumerate(others):
+        before = batcher.prefilling[0].done
+        other = tuple(lm.encode(f"{index} " + " ".join(MORE)))  # no prefix cached: each prefills in chunks
+        assert len(other) > budget
+        batcher.add(SequenceRequest(other, "math", greedy(1)), listener)
+        batcher.step()
+        progress = batcher.prefilling[0].done - before
+        assert progress in (0, budget // 4)
+    assert batcher.prefilling[0].done == 2 * budget - 2 + 3 * (budget // 4)
     batcher.run_until_idle()
     assert second.finished.completion == lm.generate([" ".join(MORE)], ["math"], max_new_tokens=5)[0]
     assert first.finished.completion == lm.generate([" ".join(MORE * 8)], ["code"], max_new_tokens=2)[0]
+    assert all(listener.finished is not None for listener in others)
 
 
 def test_bad_settings_are_refused(lm: CorrectedLM) -> None:

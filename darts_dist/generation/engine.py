@@ -7,7 +7,7 @@ cancelled, lets waiting sequences join while the batch has room (`max_batch_size
 the joiners in one forward (a prompt prefix seen before, such as a system prompt,
 is taken from the prefix cache instead of computed again), then decodes one token for every
 running sequence in one forward. With `prefill_chunk_tokens`, a step prefills at most that many prompt tokens
-(a quarter more for the oldest long prompt): whole prompts up to it (the others join at the next step), and a
+(a quarter more, every other step, for the oldest long prompt): whole prompts up to it (the others join at the next step), and a
 prompt longer than it in chunks, in a cache of its own, beside the decoding batch, joining it with its last chunk
 (the prompts with the fewest tokens left first): a long prompt never stalls the running streams for its whole
 prefill. Finished sequences leave at once, so a short answer never waits for a long one and a waiting
@@ -217,6 +217,7 @@ class _Prefilling:
         self.scope = scope
         self.done = cached
         self.fresh = fresh  # its first prefill (its prompt's blocks go to the prefix cache), not a preempted one's
+        self.last_chunk = 0  # the tokens it prefilled in the last step
         past = None if kv is None else [(keys[None], values[None]) for keys, values in kv]
         self.cache = cache_with_past(config, past)
 
@@ -493,7 +494,9 @@ class ContinuousBatcher:
     def _chunks(self) -> list[tuple[_Prefilling, int]]:
         """This step's chunks: what is left of `prefill_chunk_tokens` after the joiners' whole prompts, to the prompts
         with the fewest tokens left first (so a prompt just over the budget is not held behind a very long one), and
-        at least a quarter of the budget to the oldest, which nothing can then hold back for ever."""
+        a quarter of the budget to the oldest when it had less the step before: nothing holds it back for ever, and a
+        short prompt arriving beside it prefills as fast as alone every other step (a chunk of the long one each step
+        made every step of the short one's prefill dearer)."""
         if not self.prefilling:
             return []
         left = max(0, self.prefill_chunk_tokens - self.prefilled)
@@ -503,8 +506,11 @@ class ContinuousBatcher:
                 break
             sizes[chunk] = min(left, chunk.left())
             left -= sizes[chunk]
-        oldest = self.prefilling[0]
-        sizes[oldest] = max(sizes.get(oldest, 0), min(oldest.left(), max(1, self.prefill_chunk_tokens // 4)))
+        oldest, quarter = self.prefilling[0], max(1, self.prefill_chunk_tokens // 4)
+        if oldest.last_chunk < quarter:
+            sizes[oldest] = max(sizes.get(oldest, 0), min(oldest.left(), quarter))
+        for chunk in self.prefilling:
+            chunk.last_chunk = sizes.get(chunk, 0)
         return list(sizes.items())
 
     def _prefill_chunk(self, chunk: _Prefilling, size: int) -> None:

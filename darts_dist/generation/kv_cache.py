@@ -33,7 +33,8 @@ from darts_dist.errors import DartsError
 
 LayerKV = list[tuple[Tensor, Tensor]]  # per layer: keys, values [heads, tokens, head_dim]
 SLOT_MIN_WIDTH = 16
-BAND_FIRST_ROWS = 8  # a band's rows when it opens; it doubles them when full
+# A band opens with rows for this many tokens (at least one row; a 2,048-wide band, one), and doubles them when full.
+BAND_FIRST_TOKENS = 2048
 
 
 def _layers(cache: DynamicCache) -> list[DynamicLayer]:
@@ -156,7 +157,7 @@ class SlotCache(Cache):
         """Room for one more row: double the band's rows, within the budget (other bands' unused rows given back
         first when the budget is short)."""
         needed = band.capacity + 1
-        rows = max(needed, 2 * band.capacity, BAND_FIRST_ROWS)
+        rows = max(needed, 2 * band.capacity, BAND_FIRST_TOKENS // band.width)
         if self.budget is not None:
             if (self.budget - self.allocated() + band.capacity * band.width) // band.width < needed:
                 for other in self.bands.values():
