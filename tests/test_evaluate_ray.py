@@ -26,15 +26,16 @@ pytestmark = pytest.mark.slow  # evaluation actors on Ray
 TASKS = ("code", "math")
 
 
-def _config(tiny_family, tmp_path: Path, executor: str):
+def _config(tiny_family, tmp_path: Path, executor: str, tasks: tuple[str, ...] = TASKS, **evaluation: object):
     return parse_config({
         "name": "on-ray",
         "output_dir": str(tmp_path / "runs"),
         "sources": {"base": str(tiny_family.base), "experts": [
             {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": f"demo:{t}",
-                                                                      "heldout": f"demo:{t}"}} for t in TASKS]},
+                                                                      "heldout": f"demo:{t}"}} for t in tasks]},
         "calibration": {"num_samples": 8, "max_length": 48, "batch_size": 4},
-        "evaluation": {"score_limit": 3, "max_new_tokens": 6, "generation_batch_size": 3, "executor": executor},
+        "evaluation": {"score_limit": 3, "max_new_tokens": 6, "generation_batch_size": 3, "executor": executor,
+                       **evaluation},
     })
 
 
@@ -116,7 +117,8 @@ def test_a_model_an_actor_cannot_load_is_reported_as_the_input_error(
     tiny_family, tmp_path: Path, judged, ray_cluster
 ) -> None:
     _, path, router, _ = judged
-    config = _config(tiny_family, tmp_path, "ray")
+    # Two actors (one expert and the broken merge; no base): each actor is a process of its own to start here.
+    config = _config(tiny_family, tmp_path, "ray", tasks=TASKS[:1], score_base=False)
     broken = Path(shutil.copytree(tiny_family.experts["instruct"], tmp_path / "broken"))
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(DartsError, match="cannot load the weights"):
