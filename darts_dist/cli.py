@@ -112,11 +112,14 @@ def cmd_validate(args: argparse.Namespace) -> None:
         console.print(f"{args.config}: valid mergekit YAML")
         return
     config = load_config(args.config)
+    from darts_dist.merge.mergekit import check_merge_method
+
+    check_merge_method(config.merge)
     console.print(f"{args.config}: valid darts-dist config for tasks {list(config.tasks)}")
 
 
 def cmd_merge(args: argparse.Namespace) -> None:
-    from darts_dist.merge.mergekit import load_mergekit_yaml, mergekit_model_paths, run_merge
+    from darts_dist.merge.mergekit import check_merge_method, load_mergekit_yaml, mergekit_model_paths, run_merge
     from darts_dist.tracking.runs import log_config, log_merge
 
     if args.out.exists() and not args.overwrite:
@@ -124,6 +127,8 @@ def cmd_merge(args: argparse.Namespace) -> None:
                          "choose a new --out folder, or pass --overwrite to replace it")
     # Both kinds of YAML are validated before the session opens; a mergekit YAML tracks to the defaults.
     config = None if is_mergekit_yaml(read_yaml(args.config)) else load_config(args.config)
+    if config is not None:
+        check_merge_method(config.merge)
     if config is None:
         mergekit_config = load_mergekit_yaml(args.config)
         settings, name = TrackingSection(), args.config.stem
@@ -173,9 +178,11 @@ def _print_products(report: dict) -> None:
 
 
 def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes: dict | None = None) -> None:
+    from darts_dist.merge.mergekit import check_merge_method
     from darts_dist.pipeline import has_heldout, prepare, register_calibration, run_calibration, run_evaluation
     from darts_dist.plan.check import check_run
 
+    check_merge_method(config.merge)
     check_run(config, RUN_PHASES)
     with _session(config.tracking, config.name, command) as tracking:
         state = prepare(config, tracking)

@@ -164,6 +164,23 @@ def test_bad_input_is_refused_cleanly(name: str, case: dict, capsys) -> None:
     assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
 
 
+@pytest.mark.parametrize("key, method, hint", [("method", "task_arithmetc", "did you mean 'task_arithmetic'?"),
+                                               ("others", "no_such_method_xyz", "use one of")])
+def test_validate_refuses_a_merge_method_no_one_has(case: dict, capsys, key: str, method: str, hint: str) -> None:
+    """`validate` (and `calibrate`, before its session opens) names a merge method neither mergekit nor darts-dist
+    has, with the methods there are: not when the merge starts."""
+    path = config_path(case)
+    config = yaml.safe_load(path.read_text())
+    config["merge"] = {"method": method} if key == "method" else {"method": "regmean", "others": {"method": method}}
+    path.write_text(yaml.safe_dump(config))
+    for command in ("validate", "calibrate"):
+        assert main([command, str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{method!r} is not a merge method darts-dist knows" in err and hint in err, err
+        assert "'regmean'" in err and "'ties'" in err and "fix:" in err, err
+    assert not (case["root"] / "out").exists()
+
+
 def test_corrections_of_another_model_are_refused(case: dict, tiny_family, capsys) -> None:
     from darts_dist.core import CorrectionSpec, DartsCorrections, save_corrections
 

@@ -7,6 +7,7 @@ works unchanged and a config we build can be handed to the `mergekit-yaml` CLI.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -27,6 +28,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from darts_dist.config import MergeSection
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
 from darts_dist.logs import on_terminal
@@ -50,6 +52,22 @@ def mergekit_method_names() -> tuple[str, ...]:
 def merge_methods() -> tuple[str, ...]:
     """Every merge method a run may name: mergekit's and RegMean."""
     return tuple(sorted((*mergekit_method_names(), REGMEAN)))
+
+
+def check_merge_method(merge: MergeSection) -> None:
+    """A DartsError now for a merge.method (or RegMean's merge.others.method) that neither mergekit nor darts-dist
+    has: `validate` and the commands that merge say so before any work, not when the merge starts."""
+    if merge.mergekit_yaml is not None:  # its YAML names its own method, which mergekit checks as it loads it
+        return
+    known = merge_methods()
+    for key, method in (("merge.method", merge.method),
+                        ("merge.others.method", merge.others.method if merge.others else None)):
+        if method is None or method in known:
+            continue
+        close = difflib.get_close_matches(method, known, n=1)
+        raise DartsError(f"{key} {method!r} is not a merge method darts-dist knows"
+                         + (f" (did you mean {close[0]!r}?)" if close else ""),
+                         f"use one of {list(known)}")
 
 
 def build_mergekit_config(
