@@ -46,7 +46,7 @@ from darts_dist.calibrate.features import TaskFeatures, collect_features, collec
 from darts_dist.calibrate.layers import concrete_layers, with_concrete_layers
 from darts_dist.calibrate.loop import train_corrections
 from darts_dist.calibrate.router import fit_run_router
-from darts_dist.config import CalibrationSection, RunConfig, format_errors, updated
+from darts_dist.config import GRAM_MERGES, CalibrationSection, RunConfig, format_errors, updated
 from darts_dist.core import LayerKey, TaskRouter, TaskVectors, TokenizedSet, features_only
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
@@ -54,7 +54,6 @@ from darts_dist.evaluate.plots import plot_ablation_bias
 from darts_dist.evaluate.stage import base_scores
 from darts_dist.evaluate.statistics import paired_comparison, passes_of
 from darts_dist.evaluate.tables import format_value
-from darts_dist.merge.mergekit import REGMEAN
 from darts_dist.merge.mergekit import merge_methods as known_merge_methods
 from darts_dist.merge.stage import merge_stage
 from darts_dist.sources.corrections import save_corrections_for
@@ -336,14 +335,14 @@ def _knobs(settings: CalibrationSection) -> dict[str, object]:
 
 
 def _merge_config(config: RunConfig, method: str) -> RunConfig:
-    """The config merging with `method`: the config's own merge as it is; RegMean otherwise at its defaults; a
+    """The config merging with `method`: the config's own merge as it is; RegMean(++) otherwise at its defaults; a
     mergekit method with the config's parameters (a RegMean config's: those of its other tensors' method)."""
     merge = config.merge
     output = config.run_dir / "ablation" / method / "merged"
     if method == merge.method:
         return updated(config, merge=updated(merge, output=output))
-    parameters = {} if method == REGMEAN else (merge.others_merge.parameters if merge.method == REGMEAN
-                                                else merge.parameters)
+    parameters = {} if method in GRAM_MERGES else (merge.others_merge.parameters if merge.from_grams
+                                                    else merge.parameters)
     return updated(config, merge=updated(merge, method=method, parameters=parameters, others=None, output=output))
 
 

@@ -114,17 +114,22 @@ class MergeOthers(_Section):
     parameters: dict[str, Any] = Field(default_factory=lambda: {"weight": 1.0})
 
 
-REGMEAN_PARAMETERS = {"alpha"}  # merge.parameters of merge.method regmean
+REGMEAN_PARAMETERS = {"alpha"}  # merge.parameters of merge.method regmean (and regmean_plus)
+# darts-dist's own merges, from the experts' inputs on their calibration rows (merge.regmean): RegMean, and RegMean++
+# (each layer's inputs from the layers merged below it).
+GRAM_MERGES = ("regmean", "regmean_plus")
 
 
 class MergeSection(_Section):
     """How the experts are merged: a method of mergekit's registry, RegMean (regmean: darts-dist's own, from
-    each expert's inputs on its calibration rows), or a mergekit YAML as it is."""
+    each expert's inputs on its calibration rows; regmean_plus: RegMean++, those inputs from the merge's own layers
+    below), or a mergekit YAML as it is."""
 
     method: str = "task_arithmetic"
-    # The method's parameters; regmean's: alpha, the share of its Grams' off-diagonal entries kept (default 0.9).
+    # The method's parameters; regmean's (and regmean_plus'): alpha, the share of its Grams' off-diagonal entries
+    # kept (default 0.9).
     parameters: dict[str, Any] = Field(default_factory=dict)
-    others: MergeOthers | None = None  # regmean only: the mergekit method for the other tensors
+    others: MergeOthers | None = None  # regmean(_plus) only: the mergekit method for the other tensors
     mergekit_yaml: Path | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Where the driver computes the merge (mergekit's tensors, RegMean's float64 solve): cpu; cuda, the driver's
@@ -134,23 +139,29 @@ class MergeSection(_Section):
 
     @model_validator(mode="after")
     def _regmean_settings(self) -> MergeSection:
-        if self.method != "regmean":
+        if not self.from_grams:
             if self.others is not None:
                 raise ValueError(f"merge.others sets how RegMean merges the tensors it does not, but merge.method is "
                                  f"{self.method!r}: remove merge.others, or set merge.method: regmean")
             return self
         if self.mergekit_yaml is not None:
-            raise ValueError("merge.method regmean computes its merge from the calibration data, and merge.mergekit_yaml "
-                             "names a fixed mergekit merge: remove one of them")
+            raise ValueError(f"merge.method {self.method} computes its merge from the calibration data, and "
+                             "merge.mergekit_yaml names a fixed mergekit merge: remove one of them")
         unknown = sorted(set(self.parameters) - REGMEAN_PARAMETERS)
         if unknown:
-            raise ValueError(f"merge.parameters {unknown} are not regmean's (it takes {sorted(REGMEAN_PARAMETERS)}); "
-                             "the other tensors' method takes its own under merge.others.parameters")
+            raise ValueError(f"merge.parameters {unknown} are not {self.method}'s (it takes "
+                             f"{sorted(REGMEAN_PARAMETERS)}); the other tensors' method takes its own under "
+                             "merge.others.parameters")
         alpha = self.parameters.get("alpha", 0.9)
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
             raise ValueError(f"merge.parameters.alpha is {alpha!r}: give a number from 0 (the Grams' diagonal alone) "
                              "to 1 (the whole Grams)")
         return self
+
+    @property
+    def from_grams(self) -> bool:
+        """Whether it is one of darts-dist's own merges (GRAM_MERGES), from the experts' inputs' Grams."""
+        return self.method in GRAM_MERGES
 
     @property
     def alpha(self) -> float:

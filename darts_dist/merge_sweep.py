@@ -14,12 +14,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from darts_dist.config import RunConfig, updated
+from darts_dist.config import GRAM_MERGES, RunConfig, updated
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.tables import format_value
 from darts_dist.evaluate.task_scores import Problem, Scorer, problem_passes, score_fields, scorer_named
 from darts_dist.generation import CorrectedLM
-from darts_dist.merge.mergekit import REGMEAN, merge_methods
+from darts_dist.merge.mergekit import merge_methods
 from darts_dist.merge.stage import merge_stage
 from darts_dist.sources.data import split_rows
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_dtype, resolve_device
@@ -113,9 +113,9 @@ def sweep_merges(
     results = {}
     for candidate in candidates:
         folder = candidate.name.replace(":", "-").replace(",", "-").replace("=", "")
-        # RegMean keeps the config's merge.others (its other tensors' method); a mergekit method has none.
+        # RegMean(++) keeps the config's merge.others (its other tensors' method); a mergekit method has none.
         merge = updated(config.merge, method=candidate.method, parameters=dict(candidate.parameters),
-                        others=config.merge.others if candidate.method == REGMEAN else None,
+                        others=config.merge.others if candidate.method in GRAM_MERGES else None,
                         output=config.run_dir / "merge_sweep" / folder / "merged")
         merged_dir = merge_stage(updated(config, merge=merge), sources)
         model = load_causal_lm(merged_dir, dtype=dtype, device=device)

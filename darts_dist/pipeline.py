@@ -34,7 +34,6 @@ from darts_dist.evaluate.plots import (
 from darts_dist.evaluate.stage import evaluate_stage
 from darts_dist.fsutil import atomic_file
 from darts_dist.memory import PeakMemory
-from darts_dist.merge.mergekit import REGMEAN
 from darts_dist.merge.regmean import COMPUTED_ON
 from darts_dist.merge.stage import merge_stage
 from darts_dist.plan.check import driver_holds_evaluation
@@ -99,7 +98,7 @@ class RunState:
 def merge_compute(config: RunConfig, merged_dir: Path) -> dict[str, str]:
     """Where the merge's models computed, by role: RegMean's Gram actors (their record says), none for mergekit's
     merges, which run no model."""
-    if config.merge.method != REGMEAN:
+    if not config.merge.from_grams:
         return {}
     tasks = yaml.safe_load((merged_dir / REGMEAN_RECORD).read_text())["grams"]["tasks"]
     return {f"Gram actor ({task})": seen[COMPUTED_ON] for task, seen in tasks.items() if COMPUTED_ON in seen}

@@ -270,6 +270,13 @@ def test_regmean_gram_actors_hold_an_experts_grams_and_the_driver_solves_one_lin
     solve = plan.driver.stages["regmean"]["solve"]  # down_proj: 3 experts' fp32 shares, float64 sums and factor
     assert solve == 3 * (11008**2 + 11008 * 4096) * 4 + (2 * 11008**2 + 11008 * 4096) * 8
     assert "experts and their grams" not in plan.driver.stages["regmean"]
+    assert "carried states" not in actors[0].parts
+    # RegMean++'s actors also carry their task's states between layers (and through the next one): bf16, rows ×
+    # length × 4096, twice.
+    plus = build_plan(parse_config(config.model_dump(mode="json") | {"merge": {"method": "regmean_plus"}}))
+    c = config.calibration
+    carried = [role for role in plus.roles if role.phase == "merge"][0].parts["carried states"]
+    assert carried == 2 * c.num_samples * c.max_length * 4096 * 2
     assert not [role for role in build_plan(config).roles if role.phase == "merge"]  # mergekit merges: no actors
     # The fit is checked phase by phase: three Gram actors need three GPUs of room for 36 GB each.
     small = nodes_file(tmp_path, {"CPU": 16, "GPU": 4, "memory": 256 * GIB})

@@ -81,13 +81,13 @@ def test_the_recorder_gives_each_linears_input_gram_over_real_tokens_only(tiny_f
         torch.testing.assert_close(recorder.gram(name), x.T @ x / 8, rtol=1e-4, atol=1e-5)
 
 
-def _config(tiny_family, tmp_path: Path, tasks=("code", "math"), **merge: object):
+def _config(tiny_family, tmp_path: Path, tasks=("code", "math"), method: str = "regmean", **merge: object):
     return parse_config({
         "name": "regmean", "output_dir": str(tmp_path / "runs"),
         "sources": {"base": str(tiny_family.base), "experts": [
             {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": f"demo:{t}", "heldout": f"demo:{t}"}}
             for t in tasks]},
-        "merge": {"method": "regmean", **merge},
+        "merge": {"method": method, **merge},
         "calibration": {"num_samples": 16, "max_length": 48, "batch_size": 8, "rank": 4, "max_positions": 48,
                         "steps": 4},
         "evaluation": {"score_limit": 0},
@@ -143,6 +143,84 @@ def test_a_regmean_merge_holds_each_linears_solution_the_others_by_mergekit_and_
     assert yaml.safe_load((merged / REGMEAN_RECORD).read_text())["parameters"] == {"alpha": 0.1}
 
 
+def _mean_merge(config, sources, folder: Path) -> dict[str, torch.Tensor]:
+    """mergekit's linear merge of the experts (merge.others' default): the tensors RegMean does not solve."""
+    means = run_merge({"merge_method": "linear", "models": [{"model": str(sources.experts[t]),
+                                                             "parameters": {"weight": 1.0}} for t in config.tasks],
+                       "dtype": "float32"}, folder)
+    return load_file(next(means.glob("*.safetensors")))
+
+
+def _expected_plus(config, sources, means: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """RegMean++ written out with whole forwards: for each layer, every expert with the merge's embeddings and the
+    layers merged so far below it in place of its own, its Grams at that layer, the layer's linears solved; the
+    layer then merged into every expert's copy (its other tensors mergekit's)."""
+    from darts_dist.sources.data import calibration_sets
+    from darts_dist.sources.models import load_tokenizer
+
+    sets = calibration_sets(config, sources.data, load_tokenizer(sources.base))
+    originals = {task: load_causal_lm(sources.experts[task]) for task in config.tasks}
+    carried = {task: load_causal_lm(sources.experts[task]) for task in config.tasks}
+    for model in carried.values():
+        model.load_state_dict({"model.embed_tokens.weight": means["model.embed_tokens.weight"]}, strict=False)
+    solved: dict[str, torch.Tensor] = {}
+    for layer in range(len(originals["code"].model.layers)):
+        grams = {}
+        for task, model in carried.items():
+            recorder = GramRecorder()
+            with recorder.recording(model):
+                for batch in sets[task].batches(config.calibration.batch_size):
+                    recorder.run(model, batch["input_ids"], batch["attention_mask"])
+            for name in GramRecorder.linears(model, layer):
+                grams.setdefault(name, []).append(recorder.gram(name))
+        layer_solved = {name + ".weight": merge_linear(
+            grams[name], [dict(originals[task].named_modules())[name].weight.detach() for task in config.tasks],
+            config.merge.alpha).float() for name in grams}
+        prefix = f"model.layers.{layer}."
+        merged_layer = {name: value for name, value in means.items() if name.startswith(prefix)} | layer_solved
+        for model in carried.values():
+            model.load_state_dict(merged_layer, strict=False)
+        solved |= layer_solved
+    return solved
+
+
+def test_a_regmean_plus_merge_solves_each_layer_on_the_states_the_merged_layers_below_give(
+    tiny_family, tmp_path: Path,
+) -> None:
+    config = _config(tiny_family, tmp_path, method="regmean_plus", parameters={"alpha": 0.8})
+    sources = resolve_sources(config)
+    merged, fresh = regmean_merge(config, sources, progress=False)
+    assert fresh
+    tensors = load_file(next(merged.glob("*.safetensors")))
+    means = _mean_merge(config, sources, tmp_path / "mean")
+    expected = _expected_plus(config, sources, means)
+    assert len(expected) == 7 * 4
+    for name, value in expected.items():
+        torch.testing.assert_close(tensors[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for name, value in means.items():
+        if name not in expected:
+            torch.testing.assert_close(tensors[name], value, msg=lambda m, n=name: f"{n}: {m}")
+    # Not RegMean's merge: a layer above one the experts changed is fed what the merged layer gives, not each
+    # expert's own (the tiny experts change layers 2 and 3 from the base: layer 3's inputs differ).
+    plain = _expected(tiny_family, config, sources)
+    for name in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight"):
+        assert not torch.allclose(plain[name], expected[name], rtol=1e-3, atol=1e-4), name
+    torch.testing.assert_close(plain["model.layers.2.mlp.down_proj.weight"],
+                               expected["model.layers.2.mlp.down_proj.weight"])
+    record = yaml.safe_load((merged / REGMEAN_RECORD).read_text())
+    assert record["merge_method"] == "regmean_plus" and "RegMean++" in record["grams"]["statistic"]
+    # In bf16 (the GPU's dtype; here on the CPU) the collectors carry bf16 states: the same merge to bf16's precision.
+    bf16 = updated(config, output_dir=tmp_path / "bf16", calibration=updated(config.calibration, dtype="bfloat16"))
+    low, _ = regmean_merge(bf16, sources, progress=False)
+    low_tensors = load_file(next(low.glob("*.safetensors")))
+    assert yaml.safe_load((low / REGMEAN_RECORD).read_text())["grams"]["compute_dtype"] == "bfloat16"
+    for name, value in expected.items():
+        torch.testing.assert_close(low_tensors[name], value, rtol=0.1, atol=0.02, msg=lambda m, n=name: f"{n}: {m}")
+    # RegMean's record is another: a RegMean merge into the same folder is not taken for this one.
+    regmean = updated(config, merge=updated(config.merge, method="regmean"))
+    assert regmean_merge(regmean, sources, progress=False) == (merged, True)
+
+
 def test_a_regmean_merge_of_one_expert_is_that_expert(tiny_family, tmp_path: Path) -> None:
     config = _config(tiny_family, tmp_path, tasks=("math",), parameters={"alpha": 0.5})
     merged, _ = regmean_merge(config, resolve_sources(config), progress=False)
@@ -165,7 +243,7 @@ def test_a_failed_regmean_merge_leaves_no_folder(tiny_family, tmp_path: Path, mo
 
 
 def test_regmean_settings_are_checked_with_the_config(tiny_family, tmp_path: Path) -> None:
-    assert "regmean" in merge_methods()
+    assert {"regmean", "regmean_plus"} <= set(merge_methods())
     for merge, message in (({"parameters": {"alpha": 1.5}}, "alpha is 1.5"),
                            ({"parameters": {"weight": 0.5}}, r"\['weight'\] are not regmean's"),
                            ({"mergekit_yaml": "x.yml"}, "remove one of them")):
@@ -182,7 +260,9 @@ def test_regmean_settings_are_checked_with_the_config(tiny_family, tmp_path: Pat
 
 @pytest.mark.slow  # the session's Ray cluster
 def test_grams_on_ray_actors_give_the_in_process_merge(tiny_family, tmp_path: Path, ray_cluster) -> None:
-    config = _config(tiny_family, tmp_path / "local", parameters={"alpha": 0.9})
+    """RegMean++ (its collectors carry their states and take each merged layer through Ray's object store; plain
+    RegMean's Gram actors run on Ray in test_fake_gpus)."""
+    config = _config(tiny_family, tmp_path / "local", method="regmean_plus", parameters={"alpha": 0.9})
     sources = resolve_sources(config)
     local, _ = regmean_merge(config, sources, progress=False)
     on_ray = updated(config, output_dir=tmp_path / "ray", cluster=updated(config.cluster, executor="ray"))

@@ -289,6 +289,32 @@ def run_from(model: nn.Module, start: int, hidden: Tensor | None) -> Iterator[No
             layers[i] = layer
 
 
+class _Reached(Exception):
+    """Raised by the decoder layer whose output `layer_output` wanted: the layers above it need not run."""
+
+
+@torch.no_grad()
+def layer_output(model: nn.Module, index: int, input_ids: Tensor, attention_mask: Tensor,
+                 entering: Tensor | None) -> Tensor:
+    """Decoder layer `index`'s output for a batch whose states entering it are `entering` (None: the embeddings'),
+    [B, S, d]: that layer alone runs (`run_from` skips those below; the forward stops once it has the output)."""
+    found: list[Tensor] = []
+
+    def reached(module: nn.Module, args: tuple, output: Any) -> None:
+        found.append(_hidden(output))
+        raise _Reached
+
+    handle = decoder_layers(model)[index].register_forward_hook(reached)
+    try:
+        with run_from(model, index, entering):
+            model.model(input_ids=input_ids, attention_mask=attention_mask)
+    except _Reached:
+        pass
+    finally:
+        handle.remove()
+    return found[0]
+
+
 @contextmanager
 def fed_inputs(model: nn.Module, inputs: Mapping[str | int, Tensor]) -> Iterator[None]:
     """Inside the block each surgery module `key` of `inputs` (a decoder layer, or "final": the final norm)

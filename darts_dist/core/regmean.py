@@ -62,9 +62,10 @@ class GramRecorder:
         self._last: tuple[torch.Tensor, str] | None = None
 
     @staticmethod
-    def linears(model: nn.Module) -> dict[str, nn.Linear]:
-        """Every nn.Linear inside the decoder layers, by its name in the model (the weight is NAME.weight)."""
-        layers = {id(layer) for layer in decoder_layers(model)}
+    def linears(model: nn.Module, layer: int | None = None) -> dict[str, nn.Linear]:
+        """Every nn.Linear inside the decoder layers (or decoder layer `layer` alone), by its name in the model (the
+        weight is NAME.weight)."""
+        layers = {id(module) for module in decoder_layers(model)} if layer is None else {id(decoder_layers(model)[layer])}
         found = {}
         for name, module in model.named_modules():
             if id(module) in layers:
@@ -88,23 +89,31 @@ class GramRecorder:
         return record
 
     @contextmanager
-    def recording(self, model: nn.Module) -> Iterator[GramRecorder]:
-        handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in self.linears(model).items()]
+    def recording(self, model: nn.Module, layer: int | None = None) -> Iterator[GramRecorder]:
+        """Record the linears of every decoder layer (or of layer `layer` alone) inside the block."""
+        handles = [module.register_forward_pre_hook(self._hook(name))
+                   for name, module in self.linears(model, layer).items()]
         try:
             yield self
         finally:
             for handle in handles:
                 handle.remove()
 
-    @torch.no_grad()
-    def run(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        """One batch through the decoder (no LM head: its input is not a decoder-layer linear's)."""
+    @contextmanager
+    def observing(self, attention_mask: torch.Tensor) -> Iterator[None]:
+        """One batch's forward runs inside the block: its real tokens (the mask's) are what the Grams count."""
         self.mask = attention_mask
         try:
-            model.model(input_ids=input_ids, attention_mask=attention_mask)
+            yield
         finally:
             self._last = None
         self.tokens += int(attention_mask.sum())
+
+    @torch.no_grad()
+    def run(self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """One batch through the decoder (no LM head: its input is not a decoder-layer linear's)."""
+        with self.observing(attention_mask):
+            model.model(input_ids=input_ids, attention_mask=attention_mask)
 
     def gram(self, name: str) -> torch.Tensor:
         """The token-mean Gram G = XᵀX / n of a linear's inputs."""

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from darts_dist.config import MergeSection
+from darts_dist.config import GRAM_MERGES, MergeSection
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, cache_root
 from darts_dist.logs import on_terminal
@@ -41,7 +41,7 @@ _TOKENIZER_STRATEGIES = frozenset({"union", "base"})
 _TOKENIZER_SOURCE_KEYS = frozenset({"tokenizer_source", "source"})
 
 
-REGMEAN = "regmean"  # darts-dist's own data-aware merge (merge.regmean); mergekit has every other method
+REGMEAN, REGMEAN_PLUS = GRAM_MERGES  # darts-dist's own data-aware merges (merge.regmean); mergekit has the others
 
 
 def mergekit_method_names() -> tuple[str, ...]:
@@ -50,8 +50,8 @@ def mergekit_method_names() -> tuple[str, ...]:
 
 
 def merge_methods() -> tuple[str, ...]:
-    """Every merge method a run may name: mergekit's and RegMean."""
-    return tuple(sorted((*mergekit_method_names(), REGMEAN)))
+    """Every merge method a run may name: mergekit's, RegMean and RegMean++."""
+    return tuple(sorted((*mergekit_method_names(), *GRAM_MERGES)))
 
 
 def check_merge_method(merge: MergeSection) -> None:
@@ -226,9 +226,9 @@ def keep_padding_rows(folder: Path, model: Path) -> None:
 
 def _method(name: str) -> MergeMethod:
     if name not in mergekit_method_names():
-        if name == REGMEAN:
-            raise DartsError("regmean is darts-dist's own merge, not a mergekit method: it has no mergekit YAML",
-                             "set merge.method: regmean in a darts-dist config (merge.others merges the rest)")
+        if name in GRAM_MERGES:
+            raise DartsError(f"{name} is darts-dist's own merge, not a mergekit method: it has no mergekit YAML",
+                             f"set merge.method: {name} in a darts-dist config (merge.others merges the rest)")
         raise DartsError(f"unknown merge method {name!r}", f"use one of: {', '.join(mergekit_method_names())}")
     return mergekit_methods.get(name)
 

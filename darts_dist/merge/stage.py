@@ -11,7 +11,7 @@ import yaml
 
 from darts_dist.config import RunConfig
 from darts_dist.errors import DartsError
-from darts_dist.merge.mergekit import REGMEAN, build_mergekit_config, load_mergekit_yaml, run_merge
+from darts_dist.merge.mergekit import build_mergekit_config, load_mergekit_yaml, run_merge
 from darts_dist.merge.regmean import regmean_merge
 from darts_dist.sources.models import non_finite_tensors
 from darts_dist.sources.references import ResolvedSources
@@ -36,7 +36,7 @@ def mergekit_config_for(config: RunConfig, sources: ResolvedSources) -> dict:
 def merged_into(config: RunConfig, sources: ResolvedSources, out_dir: Path, overwrite: bool = False) -> Path:
     """Merge into `out_dir` by the config's method: RegMean (`merge.regmean`), or mergekit with the config's
     mergekit YAML or one built from `merge`."""
-    if config.merge.method == REGMEAN:
+    if config.merge.from_grams:
         return regmean_merge(config, sources, out_dir=out_dir)[0]
     return run_merge(mergekit_config_for(config, sources), out_dir, overwrite=overwrite, device=config.merge.device)
 
@@ -44,7 +44,7 @@ def merged_into(config: RunConfig, sources: ResolvedSources, out_dir: Path, over
 def merge_stage(config: RunConfig, sources: ResolvedSources) -> Path:
     """The run's merge, into `config.merged_dir`; an identical earlier merge (the same mergekit config or RegMean
     record) is reused, a fresh one checked for NaN and inf weights."""
-    if config.merge.method == REGMEAN:
+    if config.merge.from_grams:
         merged, fresh = regmean_merge(config, sources)
         return _finite(merged, sources) if fresh else merged
     written = config.merged_dir / "mergekit_config.yml"

@@ -22,7 +22,6 @@ from darts_dist.config import DataSpec, RunConfig, ServeSection, compute_dtype_n
 from darts_dist.core import CorrectionSpec, expected_parameter_count
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.on_ray import uses_ray
-from darts_dist.merge.mergekit import REGMEAN
 from darts_dist.plan.shapes import ITEMSIZE, ModelShape
 from darts_dist.ray_cluster.placement import Bundle, expert_bundle, worker_bundle
 from darts_dist.sources.references import heldout_rows
@@ -203,17 +202,19 @@ def merge_roles(config: RunConfig, experts: dict[str, ModelShape]) -> list[Role]
     """RegMean's Gram actors on Ray (merge.method regmean): each expert's weights, its Grams, its decoder's forward
     activations, and the float64 share of one linear it computes when the driver asks."""
     c, cluster = config.calibration, config.cluster
-    if config.merge.method != REGMEAN or cluster.executor != "ray":
+    if not config.merge.from_grams or cluster.executor != "ray":
         return []
     dtype = compute_dtype_name(c.dtype, cluster.use_gpu)
     item = ITEMSIZE[dtype]
     roles = []
     for task, shape in experts.items():
         n_in, n_out = _largest_linear(shape)
-        roles.append(Role(f"Gram actor ({task})", "merge", 1, expert_bundle(cluster), {
-            "weights": shape.weight_bytes(dtype), "grams": gram_bytes(shape),
-            "activations": _forward(shape, c.batch_size, c.max_length, item),
-            "one linear's share": (2 * n_in * n_in + n_in * n_out) * 8}))
+        memory = {"weights": shape.weight_bytes(dtype), "grams": gram_bytes(shape),
+                  "activations": _forward(shape, c.batch_size, c.max_length, item),
+                  "one linear's share": (2 * n_in * n_in + n_in * n_out) * 8}
+        if config.merge.method == "regmean_plus":  # its task's states between layers, and their next layer's
+            memory["carried states"] = 2 * c.num_samples * c.max_length * shape.hidden_size * item
+        roles.append(Role(f"Gram actor ({task})", "merge", 1, expert_bundle(cluster), memory))
     return roles
 
 
@@ -314,6 +315,10 @@ def regmean_stage(config: RunConfig, experts: dict[str, ModelShape], merged: Mod
     if not config.cluster.on_ray:
         dtype = compute_dtype_name(config.calibration.dtype, on_gpu=False)
         stage["experts and their grams"] = sum(s.weight_bytes(dtype) + gram_bytes(s) for s in experts.values())
+        if config.merge.method == "regmean_plus":  # every task's states between layers, and their next layer's
+            c = config.calibration
+            stage["carried states"] = sum(2 * c.num_samples * c.max_length * s.hidden_size * ITEMSIZE[dtype]
+                                          for s in experts.values())
     return stage
 
 
@@ -327,7 +332,7 @@ def driver_role(config: RunConfig, experts: dict[str, ModelShape], merged: Model
     item = ITEMSIZE[dtype]
     memory = {"calibration rows": len(config.tasks) * c.num_samples * c.max_length * TOKEN_ROW_BYTES}
     stages = merge_stages(experts, merged)
-    if config.merge.method == REGMEAN:
+    if config.merge.from_grams:
         stages["regmean"] = regmean_stage(config, experts, merged)
     if not config.models_on_gpus:
         stages["router and registration check"] = {"weights": merged.weight_bytes(dtype),
