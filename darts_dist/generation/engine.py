@@ -543,13 +543,15 @@ class ContinuousBatcher:
         """Prefilled sequences join the running batch, their tokens (the mask's columns) copied into their slots, and
         draw their first tokens."""
         mask = mask.to(self.device)
-        for row, sequence in enumerate(sequences):
-            columns = mask[row].nonzero().squeeze(1)
-            self.cache.add(sequence, [(layer.keys[row][:, columns], layer.values[row][:, columns])
-                                      for layer in cache.layers], self._slot(sequence))
-            self.joins += 1
-            sequence.joined = self.joins
-        self.running = self.cache.order()
+        try:
+            for row, sequence in enumerate(sequences):
+                columns = mask[row].nonzero().squeeze(1)
+                self.cache.add(sequence, [(layer.keys[row][:, columns], layer.values[row][:, columns])
+                                          for layer in cache.layers], self._slot(sequence))
+                self.joins += 1
+                sequence.joined = self.joins
+        finally:  # a join that failed half-way leaves the batch as the cache holds it, for `_guarded` to fail
+            self.running = self.cache.order()
         self._advance(sequences, logits)
 
     @staticmethod
