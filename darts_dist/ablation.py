@@ -457,7 +457,9 @@ def _report(plan: AblationPlan, config: RunConfig, methods: dict[str, dict[str, 
     }
     if tracking is not None:
         tracking.log_file(tracking.run_id, plot, "plots")
-        metrics = evaluation_metrics(report["variants"]["darts"])
+        # The parent run's headline: DARTS's numbers, or with --variants leaving it out, the last variant run's.
+        variants = report["variants"]
+        metrics = evaluation_metrics(variants["darts"] if "darts" in variants else list(variants.values())[-1])
         tracking.log_metrics(tracking.run_id, {
             **{key: value for key, value in metrics.items() if key.startswith("eval.overall.")},
             **{f"router.{key}": router_report[key] for key in ("accuracy", "train_accuracy") if key in router_report},
