@@ -180,6 +180,28 @@ def test_two_zero3_ranks_train_deep_corrections_and_outlive_their_experts_as_the
     assert theirs > 0.4 and abs(ours - theirs) < BIAS_REDUCTION_TOLERANCE * theirs, (ours, theirs)
 
 
+def test_the_ray_runs_rank_0_logs_each_step_and_its_run_says_where_it_ran(calibrated) -> None:
+    """What a tracked Ray run adds to test_tracking's in-process one: the training workers' rank 0 logs the steps
+    to the calibration's MLflow run, and the run's tags name the job, its checkpoint and each role's node."""
+    from mlflow import MlflowClient
+
+    _, report, job, _ = calibrated
+    result = json.loads(report.read_text())
+    client = MlflowClient(result["tracking"]["uri"])
+    calibration = client.get_run(result["tracking"]["stage_runs"]["calibration"])
+    tags, metrics = calibration.data.tags, calibration.data.metrics
+    assert (tags["darts.executor"], tags["darts.ray_address"]) == ("ray", "local")
+    assert (tags["darts.num_workers"], tags["darts.zero_stage"], tags["darts.use_gpu"]) == ("2", "3", "True")
+    ran = result["calibration"]["job"]
+    assert tags["darts.ray_run_id"] == ran["run_id"] and tags["darts.checkpoint"] == ran["checkpoint_path"] == job.checkpoint_path
+    assert {f"darts.placement.worker.{rank}" for rank in (0, 1)} | {f"darts.placement.expert.{t}" for t in GPU_TASKS} <= set(tags)
+    assert metrics["job.stream.rows"] == SAMPLES * len(GPU_TASKS) and metrics["job.seconds.total"] > 0
+    losses = client.get_metric_history(calibration.info.run_id, "loss")
+    assert [m.step for m in losses] == list(range(1, len(job.losses) + 1))
+    assert [m.value for m in losses] == pytest.approx(result["calibration"]["losses"])
+    assert all(m.value > 0 for m in client.get_metric_history(calibration.info.run_id, "rows_per_second"))
+
+
 def test_evaluate_and_register_load_no_model_on_the_driver(calibrated, monkeypatch) -> None:
     """`evaluate` evaluates in actors of its own; `register` (here a run whose model was never logged: its tags
     taken off) checks the logged model in a GPU role's Ray task, as the pipeline's registration does."""

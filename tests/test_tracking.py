@@ -34,20 +34,21 @@ PROMPT, TASK = "def add(a, b):", "code"
 
 
 def write_config(tiny_family, folder: Path) -> Path:
-    """Two tasks of the tiny family, with calibration and held-out files; a few fast steps."""
+    """Two tasks of the tiny family, with calibration and held-out files; a few fast steps, in this process: what
+    a tracked Ray run adds (its workers' rank 0 logging each step, the job's tags) is test_fake_gpus's."""
     config = family_config(
         tiny_family, folder, "tracked", lambda task, i: f"def f_{task}_{i}(x):\n    return x * {i} + {i + 1}\n", 10,
         calibration={"rank": 4, "max_positions": 16, "num_samples": 8, "max_length": 16, "batch_size": 4,
                      "steps": STEPS, "learning_rate": 0.05},
-        tracking={"experiment": "test-tracking", "registered_model": MODEL})
+        tracking={"experiment": "test-tracking", "registered_model": MODEL}, cluster={"executor": "in-process"})
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
 
 def drop_when_calibration_starts(uri: str, server: subprocess.Popen, done: threading.Event) -> None:
-    """Stop the server as soon as the calibration stage has opened its run: the Ray job then starts, trains and
-    finishes with no store to talk to."""
+    """Stop the server as soon as the calibration stage has opened its run: the calibration then trains, is
+    evaluated and finishes with no store to talk to."""
     client = MlflowClient(uri)
     while not done.is_set():
         experiment = client.get_experiment_by_name("test-tracking")
@@ -58,7 +59,7 @@ def drop_when_calibration_starts(uri: str, server: subprocess.Popen, done: threa
 
 
 @pytest.fixture(scope="module")
-def tracked(ray_cluster, tiny_family, tmp_path_factory: pytest.TempPathFactory):
+def tracked(tiny_family, tmp_path_factory: pytest.TempPathFactory):
     """One `darts-dist calibrate` on Ray, tracked on `mlflow server` (mlflow/server.sh), which is lost as soon as
     the calibration stage has opened its run: the job finishes with nothing lost on disk, and once the server is
     back on the same store `darts-dist register RUN_DIR` logs what it missed and registers the model. The
@@ -104,12 +105,11 @@ def test_a_server_lost_mid_run_loses_nothing_on_disk_and_says_how_to_register(tr
     # (off), not in a logging error's traceback of the MLflow exception it was handling.
     assert "s3cr3t" not in out + err and "View run" not in out
     assert "http://***@127.0.0.1" in err
-    # The work was complete on disk: corrections (also in the Ray checkpoint), evaluation, the report.
+    # The work was complete on disk: corrections, evaluation, the report.
     offline = tracked.offline
     assert offline["tracking"]["offline"] and "darts" in offline["variants"]
     corrections, _ = load_corrections(Path(offline["corrections"]))
     assert corrections.spec.tasks == ("code", "math")
-    assert Path(offline["calibration"]["job"]["checkpoint_path"]).is_dir()
     # `register` put the run's report back as a tracked one.
     assert "offline" not in tracked.report["tracking"]
 
@@ -153,12 +153,9 @@ def test_a_calibration_logs_params_metrics_and_artifacts(tracked, tmp_path: Path
     assert calibration.data.params["calibration.steps"] == str(STEPS)
     assert calibration.data.params["calibration.learning_rate"] == "0.05"
     tags = calibration.data.tags
-    # Calibrated on a Ray cluster started for the command: rank 0 of the workers logged each step.
-    assert (tags["darts.executor"], tags["darts.device"], tags["darts.ray_address"]) == ("ray", "cpu", "local")
-    assert (tags["darts.num_workers"], tags["darts.zero_stage"]) == ("1", "0")
-    assert tags["darts.ray_run_id"] == tracked.report["calibration"]["job"]["run_id"]
-    assert calibration.data.metrics["job.stream.rows"] == 16  # 8 calibration samples of each task
-    assert calibration.data.metrics["job.seconds.total"] > 0
+    # Calibrated in this process (a Ray run's tags and its workers' step logging: test_fake_gpus).
+    assert (tags["darts.executor"], tags["darts.device"]) == ("in-process", "cpu")
+    assert "darts.ray_run_id" not in tags and not any(key.startswith("job.") for key in calibration.data.metrics)
     losses = client.get_metric_history(calibration.info.run_id, "loss")
     assert [m.step for m in losses] == list(range(1, STEPS + 1))
     assert [m.value for m in losses] == pytest.approx(tracked.report["calibration"]["losses"])
