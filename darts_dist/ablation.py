@@ -40,6 +40,7 @@ from darts_dist.calibrate.coefficients import (
     fit_layers,
     initial_coefficients,
     learned_merge,
+    model_tensors,
     read_task_vectors,
 )
 from darts_dist.calibrate.features import TaskFeatures, collect_features, collect_merged
@@ -47,11 +48,12 @@ from darts_dist.calibrate.layers import concrete_layers, with_concrete_layers
 from darts_dist.calibrate.loop import train_corrections
 from darts_dist.calibrate.router import fit_run_router
 from darts_dist.config import GRAM_MERGES, CalibrationSection, RunConfig, format_errors, updated
-from darts_dist.core import LayerKey, TaskRouter, TaskVectors, TokenizedSet, features_only
+from darts_dist.core import DartsCorrections, LayerKey, TaskRouter, TaskVectors, TokenizedSet, features_only
+from darts_dist.core.task_masks import emr_deltas, emr_unified, mask_bytes, tall_deltas
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide
-from darts_dist.evaluate.plots import plot_ablation_bias
-from darts_dist.evaluate.stage import base_scores
+from darts_dist.evaluate.plots import plot_ablation_bias, plot_frontier
+from darts_dist.evaluate.stage import base_side
 from darts_dist.evaluate.statistics import paired_comparison, passes_of
 from darts_dist.evaluate.tables import format_value
 from darts_dist.merge.mergekit import merge_methods as known_merge_methods
@@ -91,7 +93,11 @@ VARIANTS: dict[str, Callable[[CalibrationSection], CalibrationSection | None]] =
 # coefficients (the headline merge only) replace the merge itself, starting from the run's task-arithmetic weights.
 # Naming COEFFICIENTS runs COEFFICIENTS_DARTS too.
 DEEP, COEFFICIENTS, COEFFICIENTS_DARTS = "deep", "coefficients", "coefficients+darts"
-EXTENDED = (DEEP, COEFFICIENTS)
+# Per-task models from the task vectors alone (core.task_masks), evaluated with the task id as DARTS's corrections
+# are: TALL masks over each merge's vector (every merge), EMR-merging (merge-free: the headline merge only).
+TALL, EMR = "tall", "emr"
+MASKED = (TALL, EMR)
+EXTENDED = (DEEP, COEFFICIENTS, *MASKED)
 DEFAULT_DEEP_LAYERS = ("changed", "final")
 # What `claims` compares and which way is better (+1: higher). Within a merge the gaps closed, which count from
 # that merge; across merges the absolute held-out NLL and score, since each merge's gap counts from itself.
@@ -117,6 +123,7 @@ class AblationPlan:
     deep_layers: tuple[object, ...] = DEFAULT_DEEP_LAYERS  # deep DARTS's surgery layers (layer sets allowed)
     deep: bool = True  # deep DARTS on every merge
     coefficients: bool = True  # the learned coefficients, alone and with DARTS, on the headline merge
+    masked: tuple[str, ...] = MASKED  # TALL masks (every merge) and EMR (the headline merge)
 
     def built(self, settings: CalibrationSection) -> dict[str, CalibrationSection | None]:
         """The plan's variants (by name) made from DARTS's settings `settings`."""
@@ -150,7 +157,7 @@ class AblationRequest(BaseModel):
     def _known_variants(cls, names: tuple[str, ...] | None) -> tuple[str, ...] | None:
         if names is not None:
             _each_once(names, (*VARIANTS, *EXTENDED), "variants")
-            if set(names) & set(EXTENDED) and "darts" not in names:
+            if set(names) & {DEEP, COEFFICIENTS} and "darts" not in names:
                 raise ValueError(f"{list(names)}: deep DARTS and the learned coefficients start from DARTS's "
                                  "settings: add darts to the variants")
         return names
@@ -230,7 +237,8 @@ def plan_ablation(
     settings = config.calibration
     chosen = request.chosen
     return AblationPlan(config, methods, {name: VARIANTS[name](settings) for name in chosen if name in VARIANTS},
-                        trials, select, seeds, tuple(deep_layers), DEEP in chosen, COEFFICIENTS in chosen)
+                        trials, select, seeds, tuple(deep_layers), DEEP in chosen, COEFFICIENTS in chosen,
+                        tuple(name for name in MASKED if name in chosen))
 
 
 # --- execution --------------------------------------------------------------------------------
@@ -373,7 +381,7 @@ def _setup(plan: AblationPlan, progress: bool) -> Setup:
     ctx = Context(config, sources, evaluator, device, model_dtype(settings.dtype, device), progress)
     deep_layers, vectors = None, None
     needed = set(settings.loss_layers())
-    if plan.deep or plan.coefficients:
+    if plan.deep or plan.coefficients or plan.masked:
         vectors = read_task_vectors(sources.base, sources.experts).to(device)
         num_layers = vectors.num_layers
         deep_layers = concrete_layers(plan.deep_layers, num_layers, vectors.changed_layers)
@@ -382,8 +390,8 @@ def _setup(plan: AblationPlan, progress: bool) -> Setup:
                                                                                         layers=aligned)))
         needed |= {*(deep_layers if plan.deep else ()), *(fit_layers(aligned, num_layers) if plan.coefficients else ())}
     layers = [*sorted(k for k in needed if isinstance(k, int)), *(["final"] if "final" in needed else [])]
-    base_passes = base_scores(evaluator, sources.base, ctx.dtype, device)
-    experts = [task_side(index, ctx, plan.trials > 0, base_passes.get(task), layers)
+    base = base_side(evaluator, sources.base, ctx.dtype, device)
+    experts = [task_side(index, ctx, plan.trials > 0, base.passes.get(task), layers)
                for index, task in enumerate(config.tasks)]
     return Setup(plan, ctx, vectors, deep_layers, experts)
 
@@ -419,6 +427,9 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         if headline and plan.coefficients:
             results |= _coefficient_variants(plan, variants["darts"], setup.vectors, merged, sides, setup.experts, ctx,
                                              tracking)
+        for name in plan.masked:
+            if name == TALL or headline:
+                results[name] = _masked_variant(name, setup.vectors, merged_dir, method, sides, ctx, tracking)
         methods[method] = {"merged": str(merged_dir), "variants": results, "claims": claims(results),
                            "paired": paired_tests(results), **({"tuning": trials} if tuned_here else {})}
         del merged, sides
@@ -434,6 +445,8 @@ def _report(plan: AblationPlan, config: RunConfig, methods: dict[str, dict[str, 
     headline's overall metrics on the command's run."""
     plot = plot_ablation_bias({m: r["variants"] for m, r in methods.items()},
                               config.run_dir / "plots" / "ablation_bias_by_position.png")
+    points = frontier({"merge_methods": methods})
+    frontier_plot = plot_frontier(points, config.run_dir / "plots" / "frontier.png")
     headline = methods[plan.merge_methods[0]]
     # Every variant of every merge by "method/variant", for the comparisons across merges.
     everyone = {f"{method}/{name}": summary for method, result in methods.items()
@@ -451,12 +464,14 @@ def _report(plan: AblationPlan, config: RunConfig, methods: dict[str, dict[str, 
             "paired_across_merges": {key: test for key, test in paired_tests(everyone).items()
                                      if _across_merges(*key.split(" vs "))}} if len(methods) > 1 else {}),
         "router": router_report,
+        "frontier": points,
         "tuning": {"trials": plan.trials, "select": plan.select, "merge_method": plan.merge_methods[0],
                    "validation_fraction": config.calibration.validation_fraction} if plan.trials else None,
-        "plots": {"ablation_bias_by_position": str(plot)},
+        "plots": {"ablation_bias_by_position": str(plot), "frontier": str(frontier_plot)},
     }
     if tracking is not None:
         tracking.log_file(tracking.run_id, plot, "plots")
+        tracking.log_file(tracking.run_id, frontier_plot, "plots")
         # The parent run's headline: DARTS's numbers, or with --variants leaving it out, the last variant run's.
         variants = report["variants"]
         metrics = evaluation_metrics(variants["darts"] if "darts" in variants else list(variants.values())[-1])
@@ -508,7 +523,9 @@ def _run_variant(
                            "train_seconds": result.seconds}
         evaluation = ctx.evaluator.evaluate(merged, corrections, sides.pairs, router=router)
         runs.append({"corrections": None if path is None else str(path), "calibration": calibration, **evaluation})
-    summary = {"settings": None if settings is None else settings.model_dump(mode="json"), **over_seeds(runs)}
+    summary = {"settings": None if settings is None else settings.model_dump(mode="json"),
+               "bytes_per_task": 0 if corrections is None else correction_bytes_per_task(corrections),
+               **over_seeds(runs)}
     _log_variant(tracking, method, name, summary)
     return summary
 
@@ -554,6 +571,40 @@ def _coefficient_variants(
     for name, summary in out.items():
         _log_variant(tracking, plan.merge_methods[0], name, summary)
     return out
+
+
+def correction_bytes_per_task(corrections: DartsCorrections) -> int:
+    """What serving a task's correction adds: its fp32 parameters (the corrections hold one set per task)."""
+    return 4 * sum(p.numel() for p in corrections.parameters()) // len(corrections.spec.tasks)
+
+
+def _masked_variant(name: str, vectors: TaskVectors, merged_dir: Path, method: str, sides: MergeSides,
+                    ctx: Context, tracking: Tracking | None) -> dict[str, object]:
+    """TALL masks over the merge in `merged_dir`, or EMR-merging: each task's own model (the base plus its masked
+    deltas) over that task's sets and problems, judged as the merge is; no retention (a request without a task
+    has no model here). Its bytes per task served: the mask's bit per changed parameter (and EMR's rescaler)."""
+    logger.info("%s / %s: building each task's model, then evaluating", method, name)
+    if name == TALL:
+        merged = {n: t.to(ctx.device) for n, t in model_tensors(merged_dir) if n in vectors.deltas}
+        deltas_for, bytes_per_task = (lambda task: tall_deltas(vectors, merged, task)), mask_bytes(vectors)
+    else:
+        unified = emr_unified(vectors)
+        deltas_for, bytes_per_task = (lambda task: emr_deltas(vectors, unified, task)), mask_bytes(vectors, numbers=1)
+    model = load_causal_lm(ctx.sources.base, dtype=ctx.dtype, device=ctx.device)
+    parameters = dict(model.named_parameters())
+    pairs = []
+    for side, _ in sides.pairs:
+        with torch.no_grad():
+            for tensor, delta in deltas_for(side.index).items():
+                parameters[tensor].copy_(vectors.base[tensor] + delta)
+        own = ctx.evaluator.merged_side(model, side.index, bool(side.validation))
+        pairs.append((side, replace(own, retention=None)))
+    run = {"corrections": None, "calibration": None, **ctx.evaluator.evaluate(model, None, pairs)}
+    summary = {"settings": None, "bytes_per_task": bytes_per_task, **over_seeds([run])}
+    _log_variant(tracking, method, name, summary)
+    del model, parameters
+    gc.collect()
+    return summary
 
 
 def _mean(values: Sequence[object]) -> object:
@@ -668,7 +719,7 @@ def claims(variants: Mapping[str, Mapping[str, object]], metrics: Mapping[str, i
 
 # --- tables -------------------------------------------------------------------------------------
 
-OVERALL_COLUMNS = {
+HELDOUT_COLUMNS = {
     "bias_reduction": "bias reduction",
     "weighted_bias_reduction": "entropy-weighted",
     "late_bias_reduction": "late (t>=64)",
@@ -676,13 +727,51 @@ OVERALL_COLUMNS = {
     "nll_gap_closed": "NLL gap closed",
     "score_gap_closed": "score gap closed",
 }
-TASK_COLUMNS = {**OVERALL_COLUMNS, "score_corrected": "score", "score_routed": "routed score",
+# Retention (evaluate.retention) of what a request without a task gets: the router's pick (darts), else the merge.
+OVERALL_COLUMNS = {**HELDOUT_COLUMNS, "retention_nll_corrected": "retention NLL",
+                   "retention_agreement_corrected": "retention agreement"}
+TASK_COLUMNS = {**HELDOUT_COLUMNS, "score_corrected": "score", "score_routed": "routed score",
                 "canonical_nll_corrected": "solution NLL"}
 
 
 def _with_spread(key: str, value: object, sd: object) -> str:
     shown = format_value(key, value)
     return shown if not sd or shown == "-" else f"{shown} ± {format_value(key, sd)}"
+
+
+def _calibration_seconds(run: Mapping[str, object]) -> float | None:
+    """A seed run's training seconds: its corrections' and, on a learned merge, the coefficients' fit."""
+    parts = [(run.get("calibration") or {}).get("train_seconds"), (run.get("coefficients") or {}).get("fit_seconds")]
+    parts = [p for p in parts if p is not None]
+    return sum(parts) if parts else None
+
+
+def frontier(report: Mapping[str, object]) -> list[dict[str, object]]:
+    """Every merge's variants as points of the cost/quality frontier: extra bytes per task served, calibration
+    seconds (mean over seeds), the held-out score with its sd over seeds, and the retention of what a request
+    without a task gets."""
+    points = []
+    for method, result in report["merge_methods"].items():
+        for name, variant in result["variants"].items():
+            seconds = [s for s in map(_calibration_seconds, variant["seed_runs"]) if s is not None]
+            overall, spread = variant["overall"], variant.get("overall_sd", {})
+            points.append({"merge": method, "variant": name, "bytes_per_task": variant.get("bytes_per_task"),
+                           "calibration_seconds": statistics.fmean(seconds) if seconds else 0.0,
+                           "score": overall.get("score_corrected"), "score_sd": spread.get("score_corrected"),
+                           "retention_nll": overall.get("retention_nll_corrected"),
+                           "retention_agreement": overall.get("retention_agreement_corrected")})
+    return points
+
+
+FRONTIER_COLUMNS = ["merge", "variant", "bytes per task", "calibration s", "score", "retention NLL",
+                    "retention agreement"]
+
+
+def frontier_rows(points: Sequence[Mapping[str, object]]) -> list[list[str]]:
+    return [[p["merge"], p["variant"], "-" if p["bytes_per_task"] is None else f"{p['bytes_per_task']:,}",
+             f"{p['calibration_seconds']:.0f}", _with_spread("score_corrected", p["score"], p["score_sd"]),
+             format_value("retention_nll_corrected", p["retention_nll"]),
+             format_value("retention_agreement_corrected", p["retention_agreement"])] for p in points]
 
 
 def ablation_tables(report: Mapping[str, object]) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -716,6 +805,9 @@ def ablation_tables(report: Mapping[str, object]) -> list[tuple[str, list[str], 
         ("ablation: differences beyond two standard deviations over seeds (scores: and McNemar p < 0.05 in every "
          "seed); within a merge its gaps closed, across merges the held-out NLL and score", ["merge", "claim"],
          claimed),
+        ("ablation: the frontier, what each variant adds per task served and costs to calibrate against its "
+         "held-out score (mean ± sd over seeds) and retention (a request without a task)", FRONTIER_COLUMNS,
+         frontier_rows(frontier(report))),
         *([("ablation: problem by problem, A vs B (wins/losses of A per seed, pooled over tasks; McNemar's exact "
             "test, the largest p over seeds; then per task)", ["A vs B", "wins/losses", "p (max)", *task_names],
             paired_rows)] if paired_rows else []),

@@ -27,7 +27,7 @@ from darts_dist.config import (
     updated,
 )
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.tables import evaluation_tables
+from darts_dist.evaluate.tables import evaluation_tables, retention_line
 from darts_dist.logs import VERBOSE_ENV, init_ray, keep_local_ray_on_loopback, quiet_library_progress, show_progress_logs
 from darts_dist.options import add_config_flags, apply_config_flags
 from darts_dist.redaction import redacted
@@ -251,6 +251,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
         _print_products(state.report)
         evaluation = run_evaluation(state, corrections)
         print_tables(evaluation_tables(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation))
+        if (retained := retention_line(evaluation)) is not None:
+            console.print(retained)
         if not args.tiny:  # the shipped experts' documented scores: does this machine reproduce them?
             from darts_dist.sources.references import demo_reproduction
 
@@ -593,12 +595,12 @@ def _serving_commands(command: Command) -> None:
 def _ablation_commands(command: Command, demo: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """`ablate` and `merge-sweep`; the ablation's flags also on `demo` (demo --ablate)."""
     ablate = command("ablate", "the ablation table: merged, Surgery, +entropy, +position, DARTS, per merge method; "
-                     "deep DARTS, learned merge coefficients (+DARTS)",
+                     "deep DARTS, learned merge coefficients (+DARTS), TALL masks and EMR",
                      cmd_ablate)
     ablate.add_argument("config", type=Path)
     for p in (demo, ablate):
         p.add_argument("--merge-methods", default=None, metavar="M1,M2",
-                       help="merge methods to compare, mergekit's or regmean (default: the config's, "
+                       help="merge methods to compare, mergekit's, regmean or regmean_plus (default: the config's, "
                        "task_arithmetic, ties)")
         p.add_argument("--tune", type=int, default=0, metavar="TRIALS",
                        help="tune Surgery and DARTS with this many paired trials each on a validation split (default 0)")
@@ -611,10 +613,11 @@ def _ablation_commands(command: Command, demo: argparse.ArgumentParser) -> dict[
         p.add_argument("--deep-layers", default="changed,final", metavar="L1,L2",
                        help="deep DARTS's surgery layers: indices, final, all, every:N, changed (default changed,final)")
         p.add_argument("--basic", action="store_true",
-                       help="only merged, Surgery, +entropy, +position and DARTS (no deep DARTS, no learned coefficients)")
+                       help="only merged, Surgery, +entropy, +position and DARTS (no deep DARTS, no learned coefficients, "
+                       "no TALL or EMR)")
         p.add_argument("--variants", default=None, metavar="V1,V2",
-                       help="only these of merged, surgery, entropy, position, darts, deep, coefficients (default "
-                       "all; deep DARTS and the learned coefficients need darts)")
+                       help="only these of merged, surgery, entropy, position, darts, deep, coefficients, tall, emr "
+                       "(default all; deep DARTS and the learned coefficients need darts)")
     sweep = command("merge-sweep", "score candidate merges on the validation split and name the best", cmd_merge_sweep)
     sweep.add_argument("config", type=Path)
     sweep.add_argument("--candidates", nargs="+", default=None, metavar="METHOD[:K=V,...]",

@@ -388,6 +388,10 @@ class EvaluationSection(_Section):
     # Also score the base model (before fine-tuning) on each task: what the experts learnt, the yardstick
     # of the merge's loss. One more model's answers per task.
     score_base: bool = True
+    # Retention: score every model (base, experts, merge, the correction a request without a task gets) on general
+    # instructions outside the tasks, by its NLL of the base model's own greedy replies and its token agreement
+    # with them (evaluate.retention). Loads the base once more where score_base is off.
+    retention: bool = True
     # Keep what the base, the experts and the merge compute (held-out passes, greedy answers, the router's
     # features) in the cache folder, keyed by their weights' content hash and everything else the result
     # depends on, so a repeat run reads them back (sources.output_cache). Corrected outputs are never kept.

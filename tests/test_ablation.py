@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from darts_dist.ablation import VARIANTS, plan_ablation
+from darts_dist.calibrate.coefficients import read_task_vectors
 from darts_dist.calibrate.loop import build_corrections
 from darts_dist.calibrate.router import task_prompts
 from darts_dist.cli import main
@@ -179,8 +180,20 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
     keys = {"bias_reduction", "weighted_bias_reduction", "late_bias_reduction", "nll_gap_closed"}
     basic = ["merged", "surgery", "entropy", "position", "darts"]
     # Deep DARTS on every merge, the learned coefficients (alone and with DARTS) on the headline merge only.
-    assert list(report["variants"]) == [*basic, "deep", "coefficients", "coefficients+darts"]
-    assert list(report["merge_methods"]["ties"]["variants"]) == [*basic, "deep"]
+    assert list(report["variants"]) == [*basic, "deep", "coefficients", "coefficients+darts", "tall", "emr"]
+    assert list(report["merge_methods"]["ties"]["variants"]) == [*basic, "deep", "tall"]
+    # TALL and EMR: each task's model from the task vectors, judged as the merge is, at a bit per changed parameter
+    # (and EMR's rescaler); each merge's TALL masks its own vector.
+    experts = {task: tiny_family.experts[task] for task in TASKS}
+    changed = sum(t.numel() for t in read_task_vectors(tiny_family.base, experts).base.values())
+    assert report["variants"]["tall"]["bytes_per_task"] == -(-changed // 8)
+    assert report["variants"]["emr"]["bytes_per_task"] == -(-changed // 8) + 4
+    ties_tall = report["merge_methods"]["ties"]["variants"]["tall"]
+    for task in TASKS:  # each task's own model: its bias against the expert is neither merge's (this data has no NLL)
+        tall = report["variants"]["tall"]["tasks"][task]["bias_before"]
+        assert tall not in (ties_tall["tasks"][task]["bias_before"], report["variants"]["merged"]["tasks"][task]["bias_before"])
+        assert 0 < report["variants"]["emr"]["tasks"][task]["bias_before"] != tall
+    assert report["variants"]["darts"]["bytes_per_task"] > 0 and report["variants"]["merged"]["bytes_per_task"] == 0
     assert report["variants"]["deep"]["settings"]["layers"] == [2, 3, "final"]  # the tiny experts' layers
     learned = Path(report["variants"]["coefficients"]["seed_runs"][1]["coefficients"]["learned_merge"])
     assert (learned / "mergekit_config.yml").is_file()
@@ -203,7 +216,7 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
     for method in report["merge_methods"].values():
         for name, variant in method["variants"].items():
             assert keys <= set(variant["overall"]) and {"bias_reduction", "weighted_bias_reduction"} <= set(variant["overall_sd"])
-            assert len(variant["seed_runs"]) == (1 if name == "merged" else 2)
+            assert len(variant["seed_runs"]) == (1 if name in ("merged", "tall", "emr") else 2)
             if name in ("deep", "coefficients", "coefficients+darts"):
                 continue
             assert set(variant["tasks"]) == set(TASKS)
@@ -211,11 +224,19 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
                 assert keys | {"score_base", "score_expert", "score_merged", "score_corrected", "score_n",
                                "score_corrected_ci", "score_pvalue"} <= set(task)
             corrections = variant["seed_runs"][0]["corrections"]
-            if name == "merged":
+            if name in ("merged", "tall", "emr"):  # no correction: each judged as its own merged model
                 assert corrections is None and variant["overall"]["bias_reduction"] == 0.0
             else:
                 assert Path(corrections).is_file() and variant["overall"]["bias_reduction"] > 0
         assert variant["tasks"]["code"]["score_name"] == "humaneval" and "canonical_nll_corrected" in variant["tasks"]["code"]
+    # Retention of what a request without a task gets: DARTS's routed pick on the headline merge, the merged model
+    # itself for a variant without a router; beside each variant's other numbers, with its spread over seeds.
+    headline = report["variants"]
+    merged_retention = headline["merged"]["overall"]["retention_nll_corrected"]
+    assert headline["surgery"]["overall"]["retention_nll_corrected"] == merged_retention
+    assert headline["darts"]["overall"]["retention_nll_corrected"] != merged_retention
+    assert "retention_nll_corrected" in headline["darts"]["overall_sd"]
+    assert headline["darts"]["seed_runs"][0]["retention"]["base"]["agreement"] == 1.0
     # Tuning: paired trials of Surgery and DARTS on the validation split of the headline merge, whose
     # winners the other merge reuses.
     tuning = report["merge_methods"]["task_arithmetic"]["tuning"]
@@ -243,6 +264,16 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
         assert all(s.get("score_routed") is None for name, s in scores.items() if name != "darts")
         assert "score_routed" not in report["merge_methods"]["ties"]["variants"]["darts"]["tasks"][task]
     assert Path(report["plots"]["ablation_bias_by_position"]).read_bytes().startswith(b"\x89PNG")
+    # The frontier: a point per merge and variant, its bytes, seconds, score and retention as the variant has them.
+    assert Path(report["plots"]["frontier"]).read_bytes().startswith(b"\x89PNG")
+    points = {(p["merge"], p["variant"]): p for p in report["frontier"]}
+    assert set(points) == {(m, v) for m, r in report["merge_methods"].items() for v in r["variants"]}
+    darts = points[("task_arithmetic", "darts")]
+    assert darts["bytes_per_task"] == report["variants"]["darts"]["bytes_per_task"]
+    assert darts["calibration_seconds"] == pytest.approx(sum(
+        run["calibration"]["train_seconds"] for run in report["variants"]["darts"]["seed_runs"]) / 2)
+    assert darts["score"] == report["variants"]["darts"]["overall"]["score_corrected"]
+    assert points[("task_arithmetic", "tall")]["retention_nll"] is None and points[("ties", "merged")]["calibration_seconds"] == 0
     runs = report["tracking"]["stage_runs"]
     assert "ablation/ties/darts" in runs
     # Every Tune trial is an MLflow run nested under the command's (Ray Tune's MLflow callback).
@@ -270,7 +301,7 @@ def test_demo_ablate_reports_every_variant_and_the_router(tmp_path: Path, monkey
                  "--score-limit", "0", "--output-dir", str(tmp_path / "runs"), "--report", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     assert list(report["variants"]) == ["merged", "surgery", "entropy", "position", "darts", "deep", "coefficients",
-                                        "coefficients+darts"]
+                                        "coefficients+darts", "tall", "emr"]
     assert set(report["variants"]["darts"]["tasks"]) == {"code", "math", "instruct"}
     assert report["variants"]["surgery"]["settings"]["steps"] == 10
     accuracy, per_task = router_accuracy_by_hand(report)
@@ -309,7 +340,9 @@ def test_a_score_claim_needs_the_seed_spread_and_mcnemar_in_every_seed() -> None
 def test_variants_can_be_chosen() -> None:
     plan = plan_ablation(_config(), variants=["merged", "darts"])
     assert list(plan.variants) == ["merged", "darts"]
-    assert not plan.deep and not plan.coefficients
+    assert not plan.deep and not plan.coefficients and plan.masked == ()
+    # TALL and EMR need no DARTS (they train nothing).
+    assert plan_ablation(_config(), variants=["merged", "emr", "tall"]).masked == ("tall", "emr")
     plan = plan_ablation(_config(), variants=["darts", "deep"])
     assert list(plan.variants) == ["darts"] and plan.deep and not plan.coefficients
     assert not plan_ablation(_config(), extended=False).deep

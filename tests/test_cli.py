@@ -95,6 +95,12 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
     metrics = MlflowClient(report["tracking"]["uri"]).get_run(report["tracking"]["run_id"]).data.metrics
     assert metrics["eval.overall.bias_reduction"] == pytest.approx(darts["overall"]["bias_reduction"])
     assert metrics["eval.overall.nll_corrected"] == pytest.approx(darts["overall"]["nll_corrected"])
+    # Retention: every model on the general instructions (the base's own replies), the routed model's as served,
+    # in the report, on the console and in MLflow.
+    assert set(darts["retention"]) == {"base", "experts", "merged", "corrected"}
+    assert darts["retention"]["base"]["agreement"] == 1.0
+    assert metrics["eval.overall.retention_nll_corrected"] == pytest.approx(darts["retention"]["corrected"]["nll"])
+    assert "retention (40 general instructions" in result.stdout
     # The registered version leaves darts-dist as a Hugging Face folder whose card shows the run's held-out table.
     out = tmp_path / "exported"
     assert main(["export", "models:/darts-dist-tiny@champion", "--tracking-uri", report["tracking"]["uri"],

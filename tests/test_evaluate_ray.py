@@ -86,6 +86,9 @@ def test_the_ray_evaluation_equals_the_in_process_one(tiny_family, tmp_path: Pat
     scored = want["tasks"]["math"]
     assert scored["score_n"] == 3 and "score_base" in scored and "score_routed" in scored
     assert "nll_corrected" in scored and scored["bias_after"] != scored["bias_before"]
+    # Retention too: the base actor made its replies and every actor scored them, the corrected model routed.
+    assert set(want["retention"]) == {"base", "experts", "merged", "corrected"}
+    assert want["retention"]["corrected"] != want["retention"]["merged"]
     # The actors computed every model's passes (base, two experts, merge) into the cache folder given.
     assert cache.counts()["misses"] >= 4 and cache.counts()["hits"] == 0
     assert any((tmp_path / "ray-cache").rglob("*.safetensors"))
@@ -118,7 +121,7 @@ def test_a_model_an_actor_cannot_load_is_reported_as_the_input_error(
 ) -> None:
     _, path, router, _ = judged
     # Two actors (one expert and the broken merge; no base): each actor is a process of its own to start here.
-    config = _config(tiny_family, tmp_path, "ray", tasks=TASKS[:1], score_base=False)
+    config = _config(tiny_family, tmp_path, "ray", tasks=TASKS[:1], score_base=False, retention=False)
     broken = Path(shutil.copytree(tiny_family.experts["instruct"], tmp_path / "broken"))
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(DartsError, match="cannot load the weights"):

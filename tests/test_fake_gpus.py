@@ -148,10 +148,14 @@ def test_one_gpu_roles_take_distinct_gpus_two_ranks_never_share_one_and_the_driv
     memory = result["calibration"]["job"]["memory"]
     assert memory["device"] == "cpu" and len(memory["workers"]) == 2 and sorted(memory["experts"]) == sorted(GPU_TASKS)
     assert all(peak > 0 for peak in [*memory["workers"], *memory["experts"].values()])
-    assert sorted(result["evaluation_memory"]) == sorted(["merged", *(f"expert {t}" for t in GPU_TASKS)])
+    # The base's actor too, for the retention set (its task scores are off): 4 one-GPU actors.
+    assert sorted(result["evaluation_memory"]) == sorted(["base", "merged", *(f"expert {t}" for t in GPU_TASKS)])
+    retained = result["variants"]["darts"]["retention"]
+    assert set(retained) == {"base", "experts", "merged", "corrected"} and set(retained["experts"]) == set(GPU_TASKS)
+    assert 0.0 <= retained["corrected"]["agreement"] <= 1.0 and retained["corrected"]["nll"] > 0
     # The config's bfloat16 held in every role that computed, on CPUs as it would on GPUs, and the job learned.
     assert set(result["compute"].values()) == {"cpu bfloat16"}, result["compute"]
-    assert {"Gram actor (math)", "calibration worker", "router", "evaluation actor (merged)",
+    assert {"Gram actor (math)", "calibration worker", "router", "evaluation actor (merged)", "evaluation actor (base)",
             "registration check"} <= set(result["compute"])
     assert result["config"]["calibration"]["dtype"] == "bfloat16" and result["config"]["cluster"]["zero_stage"] == 3
     assert result["calibration"]["final_loss"] < result["calibration"]["first_loss"]

@@ -118,7 +118,7 @@ def _evaluate(tiny_family, family, cache: OutputCache, expert_path: Path | None 
     base, expert, merged = (load_causal_lm(p) for p in (tiny_family.base, expert_path, tiny_family.experts["code"]))
     evaluator = Evaluator(config, files, build_tiny_tokenizer(), progress=False, cache=cache)
     expert_runs, merged_runs = ForwardCount(base, expert), ForwardCount(merged)
-    base_passes = evaluator.base_passes(base, model_identity(tiny_family.base, fp32, cpu))["math"]
+    base_passes = evaluator.base_side(base, tiny_family.base, model_identity(tiny_family.base, fp32, cpu)).passes["math"]
     side = evaluator.expert_side(1, expert, base_passes=base_passes, identity=model_identity(expert_path, fp32, cpu))
     plain = evaluator.merged_side(merged, 1, identity=model_identity(tiny_family.experts["code"], fp32, cpu))
     counted = (expert_runs.calls, merged_runs.calls)

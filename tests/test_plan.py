@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from darts_dist.cli import main
 from darts_dist.config import load_config, parse_config
+from darts_dist.evaluate.retention import RETENTION_ROW_TOKENS
 from darts_dist.plan import build_plan
 from darts_dist.plan.cluster import GIB, problems, unplaced
 from darts_dist.plan.roles import MAPPED_INPUTS, Role
@@ -229,14 +230,19 @@ def test_a_role_holds_its_largest_stage_and_needs_no_memory_for_inputs_read_once
     assert role.resident_bytes == 51  # the router's weights: the mapped files can be dropped, weights cannot
 
 
-def test_evaluation_actors_score_then_answer_and_the_base_only_answers(tiny_family) -> None:
+def test_evaluation_actors_score_then_answer_and_the_base_answers_and_scores_retention(tiny_family) -> None:
     config = parse_config({"name": "t", "sources": {"base": str(tiny_family.base), "experts": [
         {"task": t, "path": str(p)} for t, p in tiny_family.experts.items()]},
         "evaluation": {"executor": "ray", "generation_batch_size": 4}})
     plan = build_plan(config)
     actors = {role.name: role for role in plan.roles if role.phase == "evaluation"}
-    assert set(actors["evaluation actor (base)"].stages) == {"answers"}
+    assert set(actors["evaluation actor (base)"].stages) == {"answers", "retention"}
     merged = actors["evaluation actor (merged)"]
+    assert merged.stages["retention"]["logits"] == 3 * 4 * RETENTION_ROW_TOKENS * plan.merged.vocab_size * 4
+    # For the retention set alone the base runs first in the merge's bundle: no actor of its own.
+    retention_only = parse_config(config.model_dump(mode="json") | {"evaluation": {
+        **config.evaluation.model_dump(mode="json"), "score_base": False}})
+    assert "evaluation actor (base)" not in {role.name for role in build_plan(retention_only).roles}
     c, shape = config.calibration, plan.merged
     # Logits in fp32, then NLL's fp32 copy of the shifted logits and its log-softmax.
     assert merged.stages["scoring"]["logits"] == 3 * c.batch_size * c.max_length * shape.vocab_size * 4

@@ -155,7 +155,8 @@ def evaluated(
     files = {t: TaskFiles(calibration=Path(heldout), heldout=Path(heldout), scorer=scorer.name) for t in tasks}
     evaluator = Evaluator(config, files, build_tiny_tokenizer(), progress=False)
     # The "base": another model than every other here (by default the math expert), scored in a pass of its own.
-    base_passes = evaluator.base_passes(base if base is not None else load_causal_lm(tiny_family.experts["math"]))[task]
+    base_passes = evaluator.base_side(base if base is not None else load_causal_lm(tiny_family.experts["math"]),
+                                      tiny_family.experts["math"]).passes.get(task)
     side = evaluator.expert_side(tasks.index(task), expert, base_passes=base_passes)
     pairs = [(side, evaluator.merged_side(merged, side.index))]
     return evaluator.evaluate(merged, corrections, pairs, router=router)["tasks"][task]

@@ -59,7 +59,8 @@ COEFFICIENTS_FILE = "coefficients.json"  # in the learned merge's folder: the ta
 CHECKPOINT_COEFFICIENTS = "coefficients.safetensors"  # a Ray job's checkpoint of c [L + 1, K] (rank 0)
 
 
-def _tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def model_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a model folder's safetensors files, by name, one at a time."""
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as weights:
             for name in weights.keys():
@@ -69,11 +70,11 @@ def _tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def read_task_vectors(base_dir: Path, experts: Mapping[str, Path]) -> TaskVectors:
     """τ_k of every tensor an expert changed, read one expert at a time (the base and the changed tensors stay). An
     expert's vocabulary rows beyond the base's are left out, as the merge leaves them (VOCABULARY_POLICY)."""
-    base = dict(_tensors(base_dir))
+    base = dict(model_tensors(base_dir))
     changed: dict[str, dict[str, torch.Tensor]] = {}
     for task, folder in experts.items():
         changed[task] = {}
-        for name, value in _tensors(folder):
+        for name, value in model_tensors(folder):
             if name in base and value.shape[1:] == base[name].shape[1:] and len(value) > len(base[name]):
                 value = value[: len(base[name])]
             if name in base and value.shape == base[name].shape:
@@ -98,7 +99,7 @@ def changed_layers(base_dir: Path, experts: Mapping[str, Path]) -> list[int]:
             where.update({name: file for name in weights.keys()})
     changed: set[int] = set()
     for folder in experts.values():
-        for name, value in _tensors(folder):
+        for name, value in model_tensors(folder):
             group = layer_group(name, num_layers)
             if group in changed or group == num_layers or name not in where:
                 continue

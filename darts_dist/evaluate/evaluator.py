@@ -30,6 +30,7 @@ from darts_dist.evaluate.passes import (
     merged_outputs,
     reference,
 )
+from darts_dist.evaluate.retention import RetentionRow, RetentionScore, base_rows, retention_fields, score
 from darts_dist.evaluate.statistics import passes_text
 from darts_dist.evaluate.tables import overall
 from darts_dist.evaluate.task_scores import (
@@ -75,6 +76,19 @@ def scores_base(config: RunConfig, data: Mapping[str, TaskFiles]) -> bool:
 
 
 @dataclass
+class BaseSide:
+    """What the base model contributes, computed once: its task answers (when asked for) and the retention set
+    (evaluate.retention: the instructions with its own replies, and its score on them), when asked for."""
+
+    passes: dict[str, list[bool] | None]
+    retention_rows: list[RetentionRow] | None
+    retention: dict[str, object] | None
+
+
+NO_BASE = BaseSide({}, None, None)  # an evaluation that asked nothing of the base
+
+
+@dataclass
 class ExpertSide:
     """One task and everything its expert contributes, computed once for every merge and correction."""
 
@@ -87,6 +101,7 @@ class ExpertSide:
     canonical: list[Reference]  # the reference answers' batches (scorers with canonical NLL)
     passes: list[bool] | None  # the expert's own task score, problem by problem
     base_passes: list[bool] | None  # the base model's (before fine-tuning) on the same problems
+    retention: dict[str, object] | None = None  # the expert on the retention set (`retention.RetentionScore.summary`)
 
     def with_base(self, base_passes: list[bool] | None) -> ExpertSide:
         return replace(self, base_passes=base_passes)
@@ -100,6 +115,7 @@ class MergedSide:
     validation: list[Outputs]
     canonical: list[Outputs]
     passes: list[bool] | None
+    retention: dict[str, object] | None = None
 
 
 class Evaluator:
@@ -116,6 +132,7 @@ class Evaluator:
         self.progress = progress
         # The output cache: the config's default folder unless given; none when the config turns it off.
         self.cache = (cache or OutputCache()) if config.evaluation.cache else None
+        self.base = NO_BASE  # `base_side`'s (`use_base`)
 
     @property
     def scores_base(self) -> bool:
@@ -173,12 +190,50 @@ class Evaluator:
         scorer = scorer_named(files.scorer) if limit != 0 else None
         return scorer, [] if scorer is None else scorer.problems(files.heldout, limit)
 
-    def base_passes(self, base: PreTrainedModel, identity: str | None = None) -> dict[str, list[bool] | None]:
-        """The base model's answers to every task's problems: what fine-tuning gave each expert. A pass of its
-        own, so that the base is never in memory beside the merged model and an expert."""
+    @property
+    def needs_base(self) -> bool:
+        """Whether the base model runs at all: for its task scores or for the retention set."""
+        return self.scores_base or self.config.evaluation.retention
+
+    def base_side(self, base: PreTrainedModel, base_dir: Path, identity: str | None = None) -> BaseSide:
+        """The base model's answers to every task's problems (what fine-tuning gave each expert) and the retention
+        set's rows and its own score on them, as asked for; this evaluator uses them from now on (`use_base`). A
+        pass of its own, so that the base is never in memory beside the merged model and an expert."""
         with CorrectedLM(base, self.tokenizer) as lm:
-            return {task: self._answers(lm, *self.scored_problems(task), f"base answers {task}", identity)
-                    for task in self.config.tasks}
+            passes = {task: self._answers(lm, *self.scored_problems(task), f"base answers {task}", identity)
+                      for task in self.config.tasks} if self.scores_base else {}
+            rows = base_rows(lm, identity, self.cache, base_dir, self._retention_batch) \
+                if self.config.evaluation.retention else None
+            side = BaseSide(passes, rows, None)
+            self.use_base(side)
+            side.retention = self._retention(lm, identity)
+        return side
+
+    def use_base(self, side: BaseSide) -> None:
+        """Judge with `side`'s retention rows and report its base scores (an actor given the base actor's side)."""
+        self.base = side
+
+    @property
+    def _retention_batch(self) -> int:
+        return self.config.evaluation.generation_batch_size
+
+    def _retention(self, lm: CorrectedLM, identity: str | None = None) -> dict[str, object] | None:
+        """`lm` on the retention set (a request without a task: the router's pick, else uncorrected); None
+        without the set. An uncorrected model with its `identity` goes through the output cache, row by row."""
+        rows, batch = self.base.retention_rows, self._retention_batch
+        if rows is None:
+            return None
+        if self.cache is None or identity is None:
+            return score(lm, rows, batch).summary()
+
+        def scored(missing: list[int]) -> list[list[float]]:
+            got = score(lm, [rows[i] for i in missing], batch)
+            return [list(row) for row in zip(got.nll, got.tokens, got.agreeing)]
+
+        key = digest("retention scores", identity, batch)
+        values = self.cache.entries(key, [digest(row.prompt_ids, row.reply_ids) for row in rows], scored)
+        nll, tokens, agreeing = zip(*values)
+        return RetentionScore(tuple(nll), tuple(map(int, tokens)), tuple(map(int, agreeing))).summary()
 
     def task_sets(self, index: int, validation: bool = False) -> dict[str, TokenizedSet | None]:
         """Task `index`'s token sets: held-out, validation (when asked for) and its problems' reference answers
@@ -211,6 +266,7 @@ class Evaluator:
                              for name, data in sets.items()})
         with CorrectedLM(expert, self.tokenizer) as lm:
             side.passes = self._answers(lm, scorer, problems, f"expert answers {task}", identity)
+            side.retention = self._retention(lm, identity)
         return side
 
     def merged_side(
@@ -223,7 +279,8 @@ class Evaluator:
                    for name, data in self.task_sets(index, validation).items()}
         with CorrectedLM(merged, self.tokenizer) as lm:
             passes = self._answers(lm, *self.scored_problems(task), f"merged answers {task}", identity)
-        return MergedSide(passes=passes, **outputs)
+            retention = self._retention(lm, identity)
+        return MergedSide(passes=passes, retention=retention, **outputs)
 
     def _judged(self, ref: Reference, plain: Outputs, merged: PreTrainedModel, candidate: PreTrainedModel,
                 corrections: DartsCorrections | None, index: int) -> Outputs:
@@ -267,8 +324,9 @@ class Evaluator:
         candidate = merged if candidate is None else candidate
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        tasks, scored = {}, {}
+        tasks, scored, retained = {}, {}, {"base": self.base.retention, "experts": {}}
         for side, plain in sides:
+            retained["experts"][side.task], retained["merged"] = side.retention, plain.retention
             result = self._tally(getattr(side, split), getattr(plain, split), merged, candidate, corrections, side)
             if split == "heldout" and side.scorer is not None and side.problems:
                 corrected, routed = plain.passes, None  # without corrections, the merged model is the 'corrected' one
@@ -291,5 +349,21 @@ class Evaluator:
         # Each problem's pass or fail, so that runs and variants on the same problems can be paired later.
         passes = {task: {model: passes_text(outcome) for model, outcome in models.items() if outcome is not None}
                   for task, models in scored.items()}
-        return {"overall": overall(tasks) | overall_score_fields(scored), "tasks": tasks,
-                **({"passes": passes} if passes else {})}
+        summary = overall(tasks) | overall_score_fields(scored)
+        if self.base.retention_rows is not None:
+            retained["corrected"] = self._served_retention(merged, candidate, corrections, router,
+                                                           retained["merged"])
+            summary |= retention_fields(retained)
+        return {"overall": summary, "tasks": tasks, **({"passes": passes} if passes else {}),
+                **({"retention": retained} if self.base.retention_rows is not None else {})}
+
+    def _served_retention(self, merged: PreTrainedModel, candidate: PreTrainedModel,
+                          corrections: DartsCorrections | None, router: TaskRouter | None,
+                          merged_retention: dict[str, object] | None) -> dict[str, object] | None:
+        """The retention of what a request without a task gets: the router's pick of the corrections, or without a
+        router the uncorrected model (the merged model's own score, unless a learned merge is judged)."""
+        routed = router is not None and corrections is not None
+        if not routed and candidate is merged:
+            return merged_retention
+        with CorrectedLM(candidate, self.tokenizer, corrections if routed else None, router if routed else None) as lm:
+            return self._retention(lm)

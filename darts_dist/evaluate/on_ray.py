@@ -25,7 +25,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from darts_dist.config import RunConfig
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, judged_artifacts
+from darts_dist.evaluate.evaluator import (
+    NO_BASE,
+    BaseSide,
+    Evaluator,
+    ExpertSide,
+    MergedSide,
+    judged_artifacts,
+    scores_base,
+)
 from darts_dist.memory import PeakMemory
 from darts_dist.ray_cluster.cpu_share import cpu_share, node_cores, per_node
 from darts_dist.ray_cluster.placement import alive_nodes, expert_actor_options, expert_bundle
@@ -70,21 +78,23 @@ class ModelPasses:
         self.identity = self.evaluator.identity(model_dir, dtype, self.device)
         self.model_dir = model_dir
 
-    def base_passes(self) -> dict[str, list[bool] | None]:
-        return self._timed("base answers", lambda: self.evaluator.base_passes(self.model, self.identity))
+    def base_side(self) -> BaseSide:
+        return self._timed("base model", lambda: self.evaluator.base_side(self.model, self.model_dir, self.identity))
 
-    def expert_side(self, index: int) -> ExpertSide:
-        """Task `index`'s expert side (it travels to the merged model's actor)."""
+    def expert_side(self, index: int, base: BaseSide) -> ExpertSide:
+        """Task `index`'s expert side (it travels to the merged model's actor), on `base`'s retention set."""
+        self.evaluator.use_base(base)
         return self._timed(f"expert {self.evaluator.config.tasks[index]}",
                            lambda: self.evaluator.expert_side(index, self.model, identity=self.identity))
 
-    def merged_sides(self) -> None:
-        """Every task's merged side, kept here (in host memory) for `judge`."""
+    def merged_sides(self, base: BaseSide) -> None:
+        """Every task's merged side, kept here (in host memory) for `judge`, on `base`'s retention set."""
+        self.evaluator.use_base(base)
         tasks = self.evaluator.config.tasks
         self.merged = self._timed("merged model", lambda: [
             self.evaluator.merged_side(self.model, index, identity=self.identity) for index in range(len(tasks))])
 
-    def judge(self, base_passes: Mapping[str, list[bool] | None], corrections_path: Path | None,
+    def judge(self, base: BaseSide, corrections_path: Path | None,
               router_path: Path | None, *sides: ExpertSide) -> dict[str, object]:
         """The evaluation of the corrections (on config.model_dir) against the experts' sides (passed as
         separate arguments, so Ray hands over their values, not references) and this merge's."""
@@ -93,7 +103,7 @@ class ModelPasses:
         corrections = None if corrections is None else corrections.to(self.device)
         candidate = None if model_dir == self.model_dir else load_causal_lm(
             model_dir, dtype=next(self.model.parameters()).dtype, device=self.device)
-        pairs = ((side.with_base(base_passes.get(side.task)), merged)
+        pairs = ((side.with_base(base.passes.get(side.task)), merged)
                  for side, merged in zip(sides, self.merged, strict=True))
         return self._timed("corrected model", lambda: self.evaluator.evaluate(
             self.model, corrections, pairs, router=router, candidate=candidate))
@@ -116,6 +126,22 @@ class ModelPasses:
         return result
 
 
+def _retention_base(actor: ray.actor.ActorHandle, base_dir: Path, per: int, memory: dict[str, int] | None,
+                    compute: dict[str, str] | None) -> BaseSide:
+    """The base's side for the retention set alone, in `actor` (a bundle the merge takes after it), which is let go
+    after; its peak memory and compute recorded as the base's."""
+    try:
+        get_or_raise(actor.load.remote(base_dir, per))
+        side = get_or_raise(actor.base_side.remote())
+        if memory is not None:
+            memory["base"] = get_or_raise(actor.peak_memory.remote())
+        if compute is not None:
+            compute["evaluation actor (base)"] = get_or_raise(actor.compute.remote())
+        return side
+    finally:
+        ray.kill(actor)
+
+
 def _fits(bundles: list[dict[str, float]]) -> bool:
     """Whether the cluster has, in all (busy or not), the resources of every bundle."""
     total = ray.cluster_resources()
@@ -124,7 +150,7 @@ def _fits(bundles: list[dict[str, float]]) -> bool:
 
 def evaluate_on_ray(
     config: RunConfig, data: Mapping[str, TaskFiles], base_dir: Path, experts: Mapping[str, Path], merged_dir: Path,
-    corrections_path: Path | None, router_path: Path | None, score_base: bool, cache: OutputCache | None = None,
+    corrections_path: Path | None, router_path: Path | None, cache: OutputCache | None = None,
     driver_holds_models: Callable[[], bool] = lambda: True, memory: dict[str, int] | None = None,
     compute: dict[str, str] | None = None,
 ) -> dict[str, object] | None:
@@ -139,8 +165,8 @@ def evaluate_on_ray(
     `cluster.resource_wait_s` for them, then fails naming what it asked for.
     """
     cluster = config.cluster
-    roles = {**({"base": base_dir} if score_base else {}), **{f"expert {t}": experts[t] for t in config.tasks},
-             "merged": merged_dir}
+    roles = {**({"base": base_dir} if scores_base(config, data) else {}),
+             **{f"expert {t}": experts[t] for t in config.tasks}, "merged": merged_dir}
     bundles = [{name: amount for name, amount in expert_bundle(cluster).items() if amount}] * len(roles)
     address = cluster.address or os.environ.get("RAY_ADDRESS")
     with ray_session(address, expert_cluster(config.cluster, len(roles))):
@@ -176,15 +202,25 @@ def _run_actors(
     logger.info("evaluate on Ray: %d model actors (%s)", len(roles), ", ".join(roles))
     folder = None if cache is None else cache.folder
     options = expert_actor_options(config.cluster)  # an expert actor's resources, in the group's bundles
-    actors = {role: ModelPasses.options(**options | {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        placement_group=group, placement_group_bundle_index=index)}).remote(config, data, tokenizer_dir, folder)
-        for index, role in enumerate(roles)}
+
+    def make_actor(role: str) -> ray.actor.ActorHandle:
+        index = list(roles).index(role)
+        return ModelPasses.options(**options | {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=index)}).remote(config, data, tokenizer_dir, folder)
+
+    # The base for the retention set alone (no task scores of its own): first, in the merge's bundle, then let go.
+    base = NO_BASE
+    if config.evaluation.retention and "base" not in roles:
+        base = _retention_base(make_actor("merged"), tokenizer_dir, per, memory, compute)
+    actors = {role: make_actor(role) for role in roles}
     try:
         get_or_raise([actors[role].load.remote(path, per) for role, path in roles.items()])
-        base = actors["base"].base_passes.remote() if "base" in actors else {}
-        sides = [actors[f"expert {task}"].expert_side.remote(index) for index, task in enumerate(config.tasks)]
+        # The experts and the merge wait for the base's retention set (its replies, when the base makes them).
+        if "base" in actors:
+            base = actors["base"].base_side.remote()
+        sides = [actors[f"expert {task}"].expert_side.remote(index, base) for index, task in enumerate(config.tasks)]
         merged = actors["merged"]
-        get_or_raise(merged.merged_sides.remote())
+        get_or_raise(merged.merged_sides.remote(base))
         result = get_or_raise(merged.judge.remote(base, corrections_path, router_path, *sides))
         if memory is not None:
             memory.update(zip(actors, get_or_raise([actor.peak_memory.remote() for actor in actors.values()])))

@@ -79,6 +79,32 @@ def plot_ablation_bias(methods: Mapping[str, Mapping[str, Mapping[str, object]]]
     return _save(fig, path)
 
 
+def plot_frontier(points: Sequence[Mapping[str, object]], path: Path) -> Path:
+    """Score against what serving it adds per task (log scale, 0 bytes at the left edge) and, beside it, the
+    retention of what a request without a task gets: one point per merge and variant, with its sd over seeds.
+    `points`: `ablation.frontier`'s rows."""
+    fig, (score_ax, retention_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    floor = min([p["bytes_per_task"] for p in points if p["bytes_per_task"]] or [1]) / 4
+    for point in points:
+        x = point["bytes_per_task"] or floor
+        label = f"{point['merge']}/{point['variant']}"
+        if point["score"] is not None:
+            score_ax.errorbar(x, 100 * point["score"], yerr=100 * (point["score_sd"] or 0), fmt="o", capsize=3)
+            score_ax.annotate(label, (x, 100 * point["score"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        if point["retention_nll"] is not None:
+            retention_ax.plot(100 * point["score"] if point["score"] is not None else 0, point["retention_nll"], "o")
+            retention_ax.annotate(label, (100 * point["score"] if point["score"] is not None else 0,
+                                          point["retention_nll"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    score_ax.set_xscale("log")
+    score_ax.set_xlabel("extra bytes per task served (0 drawn at the left edge)")
+    score_ax.set_ylabel("held-out score, mean over tasks (%)")
+    score_ax.set_title("score against what a task costs to serve")
+    retention_ax.set_xlabel("held-out score (%)")
+    retention_ax.set_ylabel("retention: NLL of the base's replies (lower keeps more)")
+    retention_ax.set_title("score against retention (a request without a task)")
+    return _save(fig, path)
+
+
 def plot_task_scores(tasks: Mapping[str, Mapping[str, object]], path: Path) -> Path | None:
     """Grouped bars per scored task: base, expert, merged, corrected and routed scores with their 95% intervals;
     None when no task has a score."""

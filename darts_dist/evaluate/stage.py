@@ -11,22 +11,30 @@ import torch
 
 from darts_dist.config import RunConfig
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.evaluator import Evaluator, ExpertSide, MergedSide, judged_artifacts, scores_base
+from darts_dist.evaluate.evaluator import (
+    NO_BASE,
+    BaseSide,
+    Evaluator,
+    ExpertSide,
+    MergedSide,
+    judged_artifacts,
+)
 from darts_dist.evaluate.on_ray import evaluate_on_ray, uses_ray
 from darts_dist.sources.models import load_causal_lm, load_tokenizer, model_compute, model_dtype, resolve_device
 from darts_dist.sources.output_cache import OutputCache
 from darts_dist.sources.references import ResolvedSources
 
 
-def base_scores(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, list[bool] | None]:
-    """The base model's task-score answers (when asked for), the base loaded alone and let go after."""
-    if not evaluator.scores_base:
-        return {}
+def base_side(evaluator: Evaluator, base_dir: Path, dtype: torch.dtype, device: torch.device) -> BaseSide:
+    """The base model's task-score answers and retention set (`Evaluator.base_side`, as asked for), the base
+    loaded alone and let go after."""
+    if not evaluator.needs_base:
+        return NO_BASE
     base = load_causal_lm(base_dir, dtype=dtype, device=device)
-    passes = evaluator.base_passes(base, evaluator.identity(base_dir, dtype, device))
+    side = evaluator.base_side(base, base_dir, evaluator.identity(base_dir, dtype, device))
     del base
     gc.collect()
-    return passes
+    return side
 
 
 def evaluate_stage(
@@ -50,7 +58,7 @@ def evaluate_stage(
                          "set sources.experts[...].data.heldout for each task")
     if uses_ray(config):
         result = evaluate_on_ray(config, sources.data, sources.base, sources.experts, merged_dir, corrections_path,
-                                 router_path, scores_base(config, sources.data), cache,
+                                 router_path, cache,
                                  driver_holds_models=driver_holds_models, memory=memory, compute=compute)
         if result is not None:  # None: `auto` found no room for an actor per model
             return result
@@ -59,7 +67,7 @@ def evaluate_stage(
     corrections, router, model_dir = judged_artifacts(config, merged_dir, corrections_path, router_path)
     corrections = None if corrections is None else corrections.to(device)
     evaluator = Evaluator(config, sources.data, load_tokenizer(sources.base), cache=cache)
-    base_passes = base_scores(evaluator, sources.base, dtype, device)
+    base = base_side(evaluator, sources.base, dtype, device)
     merged = load_causal_lm(merged_dir, dtype=dtype, device=device)
     if compute is not None:
         compute["evaluation (in-process)"] = model_compute(merged)
@@ -70,7 +78,7 @@ def evaluate_stage(
         # and one task's passes.
         for index, task in enumerate(config.tasks):
             expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
-            side = evaluator.expert_side(index, expert, base_passes=base_passes.get(task),
+            side = evaluator.expert_side(index, expert, base_passes=base.passes.get(task),
                                          identity=evaluator.identity(sources.experts[task], dtype, device))
             del expert
             gc.collect()

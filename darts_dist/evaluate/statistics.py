@@ -73,17 +73,31 @@ def nll_gap(expert: float, merged: float, corrected: float | None, gap_sd: float
     return (None if corrected is None else gap_closed(-expert, -merged, -corrected)), False
 
 
+def _resampled_ratios(values: np.ndarray, counts: np.ndarray, seed: int) -> np.ndarray:
+    """BOOTSTRAP_SAMPLES draws of Σ values / Σ counts, rows resampled with replacement (seeded)."""
+    rng, chunk = np.random.default_rng(seed), max(1, (1 << 22) // len(counts))  # ≤ 4 M indices at a time
+    means = []
+    for start in range(0, BOOTSTRAP_SAMPLES, chunk):
+        rows = rng.integers(0, len(counts), size=(min(chunk, BOOTSTRAP_SAMPLES - start), len(counts)))
+        means.append(values[rows].sum(axis=1) / np.maximum(counts[rows].sum(axis=1), 1))
+    return np.concatenate(means)
+
+
 def paired_mean_difference_sd(differences: np.ndarray, counts: np.ndarray, seed: int = 0) -> float:
     """The bootstrap sd of Σ differences / Σ counts, rows resampled: a per-token mean difference of two models
     scored on the same rows (each row's summed difference and its token count). 0 with fewer than two rows."""
     if len(counts) < 2:
         return 0.0
-    rng, chunk = np.random.default_rng(seed), max(1, (1 << 22) // len(counts))  # ≤ 4 M indices at a time
-    means = []
-    for start in range(0, BOOTSTRAP_SAMPLES, chunk):
-        rows = rng.integers(0, len(counts), size=(min(chunk, BOOTSTRAP_SAMPLES - start), len(counts)))
-        means.append(differences[rows].sum(axis=1) / np.maximum(counts[rows].sum(axis=1), 1))
-    return float(np.concatenate(means).std())
+    return float(_resampled_ratios(differences, counts, seed).std())
+
+
+def ratio_interval(values: Sequence[float], counts: Sequence[int], confidence: float = CONFIDENCE,
+                   seed: int = 0) -> tuple[float, float]:
+    """The percentile bootstrap interval of a per-token mean Σ values / Σ counts, rows resampled (a set's NLL or
+    token agreement, each row's sum and its token count). Seeded: reproducible."""
+    ratios = _resampled_ratios(np.asarray(values, dtype=float), np.asarray(counts, dtype=float), seed)
+    tail = (1 - confidence) / 2
+    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))
 
 
 def mean_score_interval(

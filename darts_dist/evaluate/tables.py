@@ -45,7 +45,7 @@ def format_value(key: str, value: object) -> str:
         return "-" if value is None else str(value)
     if not math.isfinite(float(value)):
         return "-"
-    if key.endswith(("reduction", "closed")) or key in SCORE_KEYS:
+    if key.endswith(("reduction", "closed")) or key in SCORE_KEYS or key.startswith("retention_agreement"):
         return f"{100 * float(value):.1f}%"
     return f"{float(value):.4f}"
 
@@ -102,6 +102,46 @@ def _score_cell(key: str, result: Mapping[str, object]) -> str:
     return value if interval is None or value == "-" else f"{value} ({format_value(key, interval)})"
 
 
+RETENTION_TITLE = ("retention: {n} general instructions outside the tasks, the base model's own greedy replies; NLL "
+                   "per reply token and token agreement (the model's greedy choice, teacher-forced), 95% intervals "
+                   "over the instructions; word for word: replies it would give whole. corrected: what a request "
+                   "without a task gets (the router's pick, else the merged model)")
+
+
+def retention_table(retained: Mapping[str, object]) -> tuple[str, list[str], list[list[str]]]:
+    """(title, headers, rows) of an evaluation's retention: the base, each expert, the merge, the corrected."""
+    models = {"base": retained.get("base"), **{f"expert {task}": summary for task, summary in retained["experts"].items()},
+              "merged": retained.get("merged"), "corrected": retained.get("corrected")}
+    rows = []
+    for name, summary in models.items():
+        if summary is None:
+            continue
+        low, high = summary["nll_ci"]
+        rows.append([name, f"{summary['nll']:.4f} ({low:.4f}–{high:.4f})",
+                     _score_cell("retention_agreement", {"retention_agreement": summary["agreement"],
+                                                         "retention_agreement_ci": summary["agreement_ci"]}),
+                     f"{100 * summary['exact']:.1f}%"])
+    n = next(summary["n"] for summary in models.values() if summary is not None)
+    return RETENTION_TITLE.format(n=n), ["model", "NLL of the base's replies", "agreement", "word for word"], rows
+
+
+def retention_line(evaluation: Mapping[str, object]) -> str | None:
+    """One line of an evaluation's retention for the console: each model's NLL of the base's replies (the base's
+    own is the floor) and its token agreement; None without a retention set."""
+    retained = evaluation.get("retention")
+    if not retained:
+        return None
+    experts = [s for s in retained["experts"].values() if s is not None]
+    models = {"base": retained.get("base"), "merged": retained.get("merged"), "corrected": retained.get("corrected")}
+    shown = [f"{name} {s['nll']:.3f} / {100 * s['agreement']:.0f}%" for name, s in models.items() if s is not None]
+    if experts:
+        shown.insert(1, "experts {:.3f} / {:.0f}%".format(sum(s["nll"] for s in experts) / len(experts),
+                                                         100 * sum(s["agreement"] for s in experts) / len(experts)))
+    n = next(s for s in [*models.values(), *experts] if s is not None)["n"]
+    return (f"retention ({n} general instructions; NLL of the base's own "
+            f"replies / agreement with them): " + ", ".join(shown))
+
+
 def evaluation_tables(title: str, evaluation: Mapping[str, object]) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, headers, rows) of an evaluation's results, and of its task scores where a task has them (columns
     no task has, e.g. routed scores without a router, left out)."""
@@ -117,4 +157,6 @@ def evaluation_tables(title: str, evaluation: Mapping[str, object]) -> list[tupl
                        "stratified bootstrap of the mean overall); wins / losses / p: corrected against merged on the "
                        "same problems (McNemar's exact test)", ["task (scorer)", *(SCORE_COLUMNS[k] for k in columns)],
                        rows))
+    if evaluation.get("retention"):
+        tables.append(retention_table(evaluation["retention"]))
     return tables

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,6 +42,15 @@ from darts_dist.sources.models import (
     load_tokenizer,
     pad_id,
 )
+
+@dataclass(frozen=True)
+class ContinuationScore:
+    """A continuation teacher-forced after its context (`CorrectedLM.continuation_scores`)."""
+
+    logprob: float  # log p(continuation | context)
+    tokens: int
+    agreeing: int  # its tokens that are the model's greedy choice at their position
+
 
 # The task index of a routed sequence until the router has decided (−1 is no correction, 0..K−1 a task).
 _ROUTE = -2
@@ -234,7 +244,6 @@ class CorrectedLM:
             raise failed
         return [events[row].completion for row in range(len(encoded))]
 
-    @torch.inference_mode()
     def continuation_logprobs(
         self,
         contexts: Sequence[Sequence[int]],
@@ -243,7 +252,20 @@ class CorrectedLM:
         route_on: Sequence[Sequence[int]] | None = None,
     ) -> list[tuple[float, bool]]:
         """log p(continuation | context) of each pair of token lists under its task's correction, and whether
-        greedy decoding would have produced the continuation.
+        greedy decoding would have produced the continuation (`continuation_scores`)."""
+        return [(score.logprob, score.agreeing == score.tokens)
+                for score in self.continuation_scores(contexts, continuations, tasks, route_on)]
+
+    @torch.inference_mode()
+    def continuation_scores(
+        self,
+        contexts: Sequence[Sequence[int]],
+        continuations: Sequence[Sequence[int]],
+        tasks: Sequence[str | None] | None = None,
+        route_on: Sequence[Sequence[int]] | None = None,
+    ) -> list[ContinuationScore]:
+        """Each continuation teacher-forced after its context, under its task's correction, in one forward: its
+        log-probability, its token count, and how many of its tokens are the model's own greedy choice there.
 
         Routed rows are routed on `route_on` (default: their contexts), as generation routes on the prompt, so
         the continuation being scored does not choose its own correction.
@@ -264,8 +286,9 @@ class CorrectedLM:
         with self.weighted(weights):
             logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits.cpu()
         nll, counted = token_nll(logits, input_ids, attention_mask, scored)
-        greedy = (logits[:, :-1].argmax(-1) == input_ids[:, 1:]) | ~counted
-        return [(-row_nll.item(), bool(row_greedy)) for row_nll, row_greedy in zip(nll.sum(-1), greedy.all(-1))]
+        agreeing = (logits[:, :-1].argmax(-1) == input_ids[:, 1:]) & counted
+        return [ContinuationScore(-float(row_nll), int(row_tokens), int(row_agreeing))
+                for row_nll, row_tokens, row_agreeing in zip(nll.sum(-1), counted.sum(-1), agreeing.sum(-1))]
 
     @property
     def routes_in_prefill(self) -> bool:

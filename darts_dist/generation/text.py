@@ -28,6 +28,7 @@ class Completion:
     finish_reason is "stop" (an end-of-sequence token or a stop string) or "length" (max_new_tokens
     reached); completion_tokens counts the tokens generated, the end-of-sequence token included.
     task is the correction that applied (None: none); confidence is the router's, for routed sequences.
+    token_ids: the tokens generated, an end-of-sequence token left out (a stop string's kept).
     """
 
     text: str
@@ -36,6 +37,7 @@ class Completion:
     finish_reason: str
     task: str | None = None
     confidence: float | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class SequenceText:
@@ -101,7 +103,7 @@ class SequenceText:
         """The finished sequence; `rest` then holds the text not yet handed out."""
         if self.text is None:
             self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        return Completion(self.text, prompt_tokens, self.count, finish_reason)
+        return Completion(self.text, prompt_tokens, self.count, finish_reason, token_ids=tuple(self.tokens))
 
     def rest(self) -> str:
         """The finished text after what was handed out, so that the pieces add up to the completion's text."""

@@ -22,6 +22,7 @@ from darts_dist.config import DataSpec, RunConfig, ServeSection, compute_dtype_n
 from darts_dist.core import CorrectionSpec, expected_parameter_count
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.on_ray import uses_ray
+from darts_dist.evaluate.retention import RETENTION_ROW_TOKENS
 from darts_dist.plan.shapes import ITEMSIZE, ModelShape
 from darts_dist.ray_cluster.placement import Bundle, expert_bundle, worker_bundle
 from darts_dist.sources.references import heldout_rows
@@ -229,7 +230,9 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
 
     Each holds its model, then in turn its scoring passes (held-out NLL and bias: experts and the merge) and its
     answers (task scores: a KV cache of `generation_batch_size` rows of a prompt up to `max_length` and the
-    longest answer, and their prefill)."""
+    longest answer, and their prefill); with retention, every model's pass over the retention set. The base has an
+    actor of its own for its task scores; for the retention set alone it runs first in the merge's place
+    (evaluate.on_ray), which the merge's role covers (the same shape, fewer stages)."""
     if not uses_ray(config):
         return []
     e, c = config.evaluation, config.calibration
@@ -244,9 +247,13 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
     roles = []
     for name, shape in models.items():
         stages = {}
-        if name != "base":  # the base only answers (its task scores)
+        if name != "base":  # the base only answers (its task scores, its retention replies)
             stages["scoring"] = {"logits": _nll_logits(shape, c.batch_size, c.max_length, item),
                                  "activations": _forward(shape, c.batch_size, c.max_length, item)}
+        if e.retention:
+            rows, length = e.generation_batch_size, RETENTION_ROW_TOKENS
+            stages["retention"] = {"logits": _nll_logits(shape, rows, length, item),
+                                   "activations": _forward(shape, rows, length, item)}
         if e.score_limit != 0:
             rows = e.generation_batch_size
             stages["answers"] = {"kv cache": rows * (c.max_length + answer) * shape.kv_bytes_per_token(dtype),
