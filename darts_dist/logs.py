@@ -93,6 +93,11 @@ class _LineBar(tqdm):
             return True
         return super().display(msg, pos)
 
+    def set_postfix(self, ordered_dict: Any = None, refresh: bool = True, **kwargs: Any) -> None:
+        """The postfix (a loss) shows in the next line at the bar's own rate: tqdm's default refresh would write a
+        line at every update (800 lines for an 800-step calibration)."""
+        super().set_postfix(ordered_dict, refresh=False, **kwargs)
+
 
 def on_terminal() -> bool:
     return sys.stderr.isatty()

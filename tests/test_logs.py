@@ -78,12 +78,13 @@ def test_outside_a_terminal_a_bar_is_whole_lines_at_its_rate(monkeypatch) -> Non
     monkeypatch.setattr("tqdm.std.time", lambda: float(next(clock)))
     log = _Console(terminal=False)
     monkeypatch.setattr(sys, "stderr", log)
-    for _ in progress_bar(range(20), desc="features code", unit="batch"):
-        pass
+    with progress_bar(range(20), desc="features code", unit="batch") as bar:
+        for step in bar:
+            bar.set_postfix(loss=f"{1 / (step + 1):.4f}")  # as the calibration loop: no line of its own
     lines = log.getvalue().splitlines()
     assert "\r" not in log.getvalue() and all(len(line) < 200 for line in lines)
     assert not any(line.startswith("features code:   0%") for line in lines)  # a bar not yet moved says nothing
-    assert lines[-1].startswith("features code: 100%|") and "20/20" in lines[-1]
+    assert lines[-1].startswith("features code: 100%|") and "20/20" in lines[-1] and "loss=0.0500" in lines[-1]
     assert 2 <= len(lines) <= 1 + 20 * 7 // PROGRESS_LINE_S + 1, lines
     tty = _Console(terminal=True)
     monkeypatch.setattr(sys, "stderr", tty)
