@@ -430,7 +430,10 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         for name in plan.masked:
             if name == TALL or headline:
                 results[name] = _masked_variant(name, setup.vectors, merged_dir, method, sides, ctx, tracking)
-        methods[method] = {"merged": str(merged_dir), "variants": results, "claims": claims(results),
+        # Within a merge, claims compare gaps closed, which count from the merge: TALL's and EMR's models are their
+        # own merges (no gap to close), so they enter the paired tests and the comparisons across merges alone.
+        corrected = {name: result for name, result in results.items() if name not in MASKED}
+        methods[method] = {"merged": str(merged_dir), "variants": results, "claims": claims(corrected),
                            "paired": paired_tests(results), **({"tuning": trials} if tuned_here else {})}
         del merged, sides
         gc.collect()
@@ -566,8 +569,10 @@ def _coefficient_variants(
                                                    candidate=learned)})
         del learned
         gc.collect()
-    out = {COEFFICIENTS: {"settings": None, **over_seeds(alone)},
-           COEFFICIENTS_DARTS: {"settings": darts.model_dump(mode="json"), **over_seeds(corrected)}}
+    out = {COEFFICIENTS: {"settings": None, "bytes_per_task": 0, **over_seeds(alone)},
+           COEFFICIENTS_DARTS: {"settings": darts.model_dump(mode="json"),
+                                "bytes_per_task": correction_bytes_per_task(result.corrections),
+                                **over_seeds(corrected)}}
     for name, summary in out.items():
         _log_variant(tracking, plan.merge_methods[0], name, summary)
     return out
@@ -591,14 +596,13 @@ def _masked_variant(name: str, vectors: TaskVectors, merged_dir: Path, method: s
         unified = emr_unified(vectors)
         deltas_for, bytes_per_task = (lambda task: emr_deltas(vectors, unified, task)), mask_bytes(vectors, numbers=1)
     model = load_causal_lm(ctx.sources.base, dtype=ctx.dtype, device=ctx.device)
-    parameters = dict(model.named_parameters())
+    parameters = model.state_dict(keep_vars=True)  # tied weights under each of their names, as files store them
     pairs = []
     for side, _ in sides.pairs:
         with torch.no_grad():
             for tensor, delta in deltas_for(side.index).items():
                 parameters[tensor].copy_(vectors.base[tensor] + delta)
-        own = ctx.evaluator.merged_side(model, side.index, bool(side.validation))
-        pairs.append((side, replace(own, retention=None)))
+        pairs.append((side, ctx.evaluator.merged_side(model, side.index, bool(side.validation), retention=False)))
     run = {"corrections": None, "calibration": None, **ctx.evaluator.evaluate(model, None, pairs)}
     summary = {"settings": None, "bytes_per_task": bytes_per_task, **over_seeds([run])}
     _log_variant(tracking, method, name, summary)

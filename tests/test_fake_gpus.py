@@ -148,7 +148,7 @@ def test_one_gpu_roles_take_distinct_gpus_two_ranks_never_share_one_and_the_driv
     memory = result["calibration"]["job"]["memory"]
     assert memory["device"] == "cpu" and len(memory["workers"]) == 2 and sorted(memory["experts"]) == sorted(GPU_TASKS)
     assert all(peak > 0 for peak in [*memory["workers"], *memory["experts"].values()])
-    # The base's actor too, for the retention set (its task scores are off): 4 one-GPU actors.
+    # The base too, for the retention set (its task scores are off): first, in the merge's actor and GPU.
     assert sorted(result["evaluation_memory"]) == sorted(["base", "merged", *(f"expert {t}" for t in GPU_TASKS)])
     retained = result["variants"]["darts"]["retention"]
     assert set(retained) == {"base", "experts", "merged", "corrected"} and set(retained["experts"]) == set(GPU_TASKS)

@@ -236,13 +236,14 @@ def test_evaluation_actors_score_then_answer_and_the_base_answers_and_scores_ret
         "evaluation": {"executor": "ray", "generation_batch_size": 4}})
     plan = build_plan(config)
     actors = {role.name: role for role in plan.roles if role.phase == "evaluation"}
-    assert set(actors["evaluation actor (base)"].stages) == {"answers", "retention"}
+    assert set(actors["evaluation actor (base)"].stages) == {"answers", "retention", "retention replies"}
     merged = actors["evaluation actor (merged)"]
     assert merged.stages["retention"]["logits"] == 3 * 4 * RETENTION_ROW_TOKENS * plan.merged.vocab_size * 4
     # For the retention set alone the base runs first in the merge's bundle: no actor of its own.
     retention_only = parse_config(config.model_dump(mode="json") | {"evaluation": {
         **config.evaluation.model_dump(mode="json"), "score_base": False}})
-    assert "evaluation actor (base)" not in {role.name for role in build_plan(retention_only).roles}
+    roles = {role.name: role for role in build_plan(retention_only).roles}
+    assert "evaluation actor (base)" not in roles and "retention replies" in roles["evaluation actor (merged)"].stages
     c, shape = config.calibration, plan.merged
     # Logits in fp32, then NLL's fp32 copy of the shifted logits and its log-softmax.
     assert merged.stages["scoring"]["logits"] == 3 * c.batch_size * c.max_length * shape.vocab_size * 4

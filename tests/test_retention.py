@@ -15,6 +15,7 @@ from darts_dist.config import parse_config
 from darts_dist.core import ROUTED, TaskRouter
 from darts_dist.evaluate import retention
 from darts_dist.evaluate.retention import MAX_PROMPT_TOKENS, MAX_REPLY_TOKENS, made_rows, score, shipped_rows
+from darts_dist.evaluate.evaluator import BaseSide, Evaluator
 from darts_dist.evaluate.stage import evaluate_stage
 from darts_dist.evaluate.tables import evaluation_tables, retention_line
 from darts_dist.generation import CorrectedLM
@@ -105,6 +106,20 @@ def test_bf16_scores_stay_near_fp32(rows, tiny_family) -> None:
     fp32 = score(CorrectedLM.load(tiny_family.experts["code"]), rows, batch_size=16).summary()
     bf16 = score(CorrectedLM.load(tiny_family.experts["code"], dtype=torch.bfloat16), rows, batch_size=16).summary()
     assert bf16["nll"] == pytest.approx(fp32["nll"], rel=0.05) and abs(bf16["agreement"] - fp32["agreement"]) < 0.1
+
+
+def test_an_uncorrected_models_scores_are_read_back_from_the_output_cache(rows, tiny_family, tmp_path) -> None:
+    config = parse_config({"sources": {"base": str(tiny_family.base), "experts": [
+        {"task": "code", "path": str(tiny_family.experts["code"])}]}, "evaluation": {"generation_batch_size": 16}})
+    evaluator = Evaluator(config, {}, load_tokenizer(tiny_family.base), progress=False,
+                          cache=OutputCache(tmp_path / "outputs"))
+    evaluator.use_base(BaseSide({}, rows, None))
+    expert = CorrectedLM.load(tiny_family.experts["code"])
+    first = evaluator._retention(expert, "the code expert")
+    calls = []
+    expert.model.register_forward_hook(lambda *args: calls.append(1))
+    assert evaluator._retention(expert, "the code expert") == first and calls == []  # read back: no forward
+    assert evaluator.cache.hits == 1 and evaluator._retention(expert) == first and calls  # no identity: computed
 
 
 def test_an_evaluation_reports_retention_for_every_model(tiny_family, tmp_path) -> None:

@@ -150,7 +150,7 @@ def evaluated(
         "sources": {"base": str(tiny_family.base), "experts": [
             {"task": t, "path": str(tiny_family.experts[t]), "data": {"calibration": heldout, "heldout": heldout}}
             for t in tasks]},
-        "evaluation": settings.model_dump(),
+        "evaluation": settings.model_dump() | {"retention": False},  # retention: tests/test_retention.py
     })
     files = {t: TaskFiles(calibration=Path(heldout), heldout=Path(heldout), scorer=scorer.name) for t in tasks}
     evaluator = Evaluator(config, files, build_tiny_tokenizer(), progress=False)

@@ -75,7 +75,7 @@ def scores_base(config: RunConfig, data: Mapping[str, TaskFiles]) -> bool:
         scorer_named(files.scorer) is not None for files in data.values())
 
 
-@dataclass
+@dataclass(frozen=True)
 class BaseSide:
     """What the base model contributes, computed once: its task answers (when asked for) and the retention set
     (evaluate.retention: the instructions with its own replies, and its score on them), when asked for."""
@@ -199,15 +199,27 @@ class Evaluator:
         """The base model's answers to every task's problems (what fine-tuning gave each expert) and the retention
         set's rows and its own score on them, as asked for; this evaluator uses them from now on (`use_base`). A
         pass of its own, so that the base is never in memory beside the merged model and an expert."""
+        side = self.base_retention(base, base_dir, identity)
+        return replace(side, passes=self.base_answers(base, identity))
+
+    def base_answers(self, base: PreTrainedModel, identity: str | None = None) -> dict[str, list[bool] | None]:
+        """The base model's answers to every task's problems, where asked for (else none)."""
+        if not self.scores_base:
+            return {}
         with CorrectedLM(base, self.tokenizer) as lm:
-            passes = {task: self._answers(lm, *self.scored_problems(task), f"base answers {task}", identity)
-                      for task in self.config.tasks} if self.scores_base else {}
-            rows = base_rows(lm, identity, self.cache, base_dir, self._retention_batch) \
-                if self.config.evaluation.retention else None
-            side = BaseSide(passes, rows, None)
-            self.use_base(side)
-            side.retention = self._retention(lm, identity)
-        return side
+            return {task: self._answers(lm, *self.scored_problems(task), f"base answers {task}", identity)
+                    for task in self.config.tasks}
+
+    def base_retention(self, base: PreTrainedModel, base_dir: Path, identity: str | None = None) -> BaseSide:
+        """The retention set's rows (`retention.base_rows`) and the base's own score on them, without its answers;
+        this evaluator uses them from now on. NO_BASE without the retention set."""
+        if not self.config.evaluation.retention:
+            return NO_BASE
+        with CorrectedLM(base, self.tokenizer) as lm:
+            rows = base_rows(lm, identity, self.cache, base_dir, self._retention_batch)
+            self.use_base(BaseSide({}, rows, None))
+            self.use_base(BaseSide({}, rows, self._retention(lm, identity)))
+        return self.base
 
     def use_base(self, side: BaseSide) -> None:
         """Judge with `side`'s retention rows and report its base scores (an actor given the base actor's side)."""
@@ -271,16 +283,18 @@ class Evaluator:
 
     def merged_side(
         self, merged: PreTrainedModel, index: int, validation: bool = False, identity: str | None = None,
+        retention: bool = True,
     ) -> MergedSide:
         """The merged model over task `index`'s sets (the expert side's rows: it does not need the expert's
-        passes) and its task score, through the output cache with `identity`."""
+        passes) and its task score, through the output cache with `identity`; with the first task's side, its
+        retention (a model's, not a task's: once), unless `retention` is off."""
         task = self.config.tasks[index]
         outputs = {name: self._over_batches(merged, data, merged_outputs, Outputs, identity)
                    for name, data in self.task_sets(index, validation).items()}
         with CorrectedLM(merged, self.tokenizer) as lm:
             passes = self._answers(lm, *self.scored_problems(task), f"merged answers {task}", identity)
-            retention = self._retention(lm, identity)
-        return MergedSide(passes=passes, retention=retention, **outputs)
+            retained = self._retention(lm, identity) if retention and index == 0 else None
+        return MergedSide(passes=passes, retention=retained, **outputs)
 
     def _judged(self, ref: Reference, plain: Outputs, merged: PreTrainedModel, candidate: PreTrainedModel,
                 corrections: DartsCorrections | None, index: int) -> Outputs:
@@ -326,7 +340,8 @@ class Evaluator:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         tasks, scored, retained = {}, {}, {"base": self.base.retention, "experts": {}}
         for side, plain in sides:
-            retained["experts"][side.task], retained["merged"] = side.retention, plain.retention
+            retained["experts"][side.task] = side.retention
+            retained["merged"] = retained.get("merged") or plain.retention
             result = self._tally(getattr(side, split), getattr(plain, split), merged, candidate, corrections, side)
             if split == "heldout" and side.scorer is not None and side.problems:
                 corrected, routed = plain.passes, None  # without corrections, the merged model is the 'corrected' one

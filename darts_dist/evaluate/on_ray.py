@@ -11,6 +11,7 @@ the stage takes the slowest model's passes instead of their sum. On CPU nodes th
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -68,18 +69,28 @@ class ModelPasses:
         self.merged: list[MergedSide] = []
 
     def load(self, model_dir: Path, actors_per_node: int) -> None:
-        """Load the model (in a method, not the constructor, so a DartsError reaches the driver as itself)."""
+        """Load the model (in a method, not the constructor, so a DartsError reaches the driver as itself), in
+        place of the one loaded before, if any (the merge's actor holds the base first for the retention set)."""
         config = self.evaluator.config
         if not config.cluster.use_gpu:
             torch.set_num_threads(cpu_share("concurrent", actors_per_node, node_cores()).threads)
         dtype = model_dtype(config.calibration.dtype, self.device)
+        if getattr(self, "model", None) is not None:
+            self.model = None
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         self.memory = PeakMemory(self.device)
         self.model = load_causal_lm(model_dir, dtype=dtype, device=self.device)
         self.identity = self.evaluator.identity(model_dir, dtype, self.device)
         self.model_dir = model_dir
 
-    def base_side(self) -> BaseSide:
-        return self._timed("base model", lambda: self.evaluator.base_side(self.model, self.model_dir, self.identity))
+    def base_retention(self) -> BaseSide:
+        return self._timed("base retention", lambda: self.evaluator.base_retention(self.model, self.model_dir,
+                                                                                   self.identity))
+
+    def base_answers(self) -> dict[str, list[bool] | None]:
+        return self._timed("base answers", lambda: self.evaluator.base_answers(self.model, self.identity))
 
     def expert_side(self, index: int, base: BaseSide) -> ExpertSide:
         """Task `index`'s expert side (it travels to the merged model's actor), on `base`'s retention set."""
@@ -94,7 +105,7 @@ class ModelPasses:
         self.merged = self._timed("merged model", lambda: [
             self.evaluator.merged_side(self.model, index, identity=self.identity) for index in range(len(tasks))])
 
-    def judge(self, base: BaseSide, corrections_path: Path | None,
+    def judge(self, base: BaseSide, base_passes: Mapping[str, list[bool] | None], corrections_path: Path | None,
               router_path: Path | None, *sides: ExpertSide) -> dict[str, object]:
         """The evaluation of the corrections (on config.model_dir) against the experts' sides (passed as
         separate arguments, so Ray hands over their values, not references) and this merge's."""
@@ -103,7 +114,8 @@ class ModelPasses:
         corrections = None if corrections is None else corrections.to(self.device)
         candidate = None if model_dir == self.model_dir else load_causal_lm(
             model_dir, dtype=next(self.model.parameters()).dtype, device=self.device)
-        pairs = ((side.with_base(base.passes.get(side.task)), merged)
+        self.evaluator.use_base(base)
+        pairs = ((side.with_base(base_passes.get(side.task)), merged)
                  for side, merged in zip(sides, self.merged, strict=True))
         return self._timed("corrected model", lambda: self.evaluator.evaluate(
             self.model, corrections, pairs, router=router, candidate=candidate))
@@ -124,22 +136,6 @@ class ModelPasses:
         result = work()
         logger.info("evaluate on Ray: %s done in %.1f s", what, time.perf_counter() - started)
         return result
-
-
-def _retention_base(actor: ray.actor.ActorHandle, base_dir: Path, per: int, memory: dict[str, int] | None,
-                    compute: dict[str, str] | None) -> BaseSide:
-    """The base's side for the retention set alone, in `actor` (a bundle the merge takes after it), which is let go
-    after; its peak memory and compute recorded as the base's."""
-    try:
-        get_or_raise(actor.load.remote(base_dir, per))
-        side = get_or_raise(actor.base_side.remote())
-        if memory is not None:
-            memory["base"] = get_or_raise(actor.peak_memory.remote())
-        if compute is not None:
-            compute["evaluation actor (base)"] = get_or_raise(actor.compute.remote())
-        return side
-    finally:
-        ray.kill(actor)
 
 
 def _fits(bundles: list[dict[str, float]]) -> bool:
@@ -203,25 +199,29 @@ def _run_actors(
     folder = None if cache is None else cache.folder
     options = expert_actor_options(config.cluster)  # an expert actor's resources, in the group's bundles
 
-    def make_actor(role: str) -> ray.actor.ActorHandle:
-        index = list(roles).index(role)
-        return ModelPasses.options(**options | {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=index)}).remote(config, data, tokenizer_dir, folder)
-
-    # The base for the retention set alone (no task scores of its own): first, in the merge's bundle, then let go.
-    base = NO_BASE
-    if config.evaluation.retention and "base" not in roles:
-        base = _retention_base(make_actor("merged"), tokenizer_dir, per, memory, compute)
-    actors = {role: make_actor(role) for role in roles}
+    actors = {role: ModelPasses.options(**options | {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=group, placement_group_bundle_index=index)}).remote(config, data, tokenizer_dir, folder)
+        for index, role in enumerate(roles)}
+    merged = actors["merged"]
+    # Without task scores of its own the base has no actor: for the retention set it runs first in the merge's.
+    retention_only = config.evaluation.retention and "base" not in roles
     try:
-        get_or_raise([actors[role].load.remote(path, per) for role, path in roles.items()])
-        # The experts and the merge wait for the base's retention set (its replies, when the base makes them).
-        if "base" in actors:
-            base = actors["base"].base_side.remote()
+        get_or_raise([actors[role].load.remote(tokenizer_dir if retention_only and role == "merged" else path, per)
+                      for role, path in roles.items()])
+        base = NO_BASE
+        if config.evaluation.retention:  # the rows every model is scored on: shipped, or the base's replies
+            base = get_or_raise((merged if retention_only else actors["base"]).base_retention.remote())
+        if retention_only:
+            if memory is not None:
+                memory["base"] = get_or_raise(merged.peak_memory.remote())
+            if compute is not None:
+                compute["evaluation actor (base)"] = get_or_raise(merged.compute.remote())
+            get_or_raise(merged.load.remote(roles["merged"], per))
+        # The base's answers go to the judgement alone: the experts and the merge need only the retention rows.
+        base_passes = actors["base"].base_answers.remote() if "base" in actors else {}
         sides = [actors[f"expert {task}"].expert_side.remote(index, base) for index, task in enumerate(config.tasks)]
-        merged = actors["merged"]
         get_or_raise(merged.merged_sides.remote(base))
-        result = get_or_raise(merged.judge.remote(base, corrections_path, router_path, *sides))
+        result = get_or_raise(merged.judge.remote(base, base_passes, corrections_path, router_path, *sides))
         if memory is not None:
             memory.update(zip(actors, get_or_raise([actor.peak_memory.remote() for actor in actors.values()])))
         if compute is not None:

@@ -112,7 +112,7 @@ def made_rows(lm: CorrectedLM, identity: str | None, cache: OutputCache | None,
     if cache is None or identity is None:
         reply_ids = replies(list(range(len(prompts))))
     else:
-        key = digest("retention replies", identity, MAX_REPLY_TOKENS, sorted(lm.eos_ids))
+        key = digest("retention replies", identity, MAX_REPLY_TOKENS, sorted(lm.eos_ids), batch_size)
         reply_ids = cache.entries(key, [digest(p) for p in prompts], replies)
     return [RetentionRow(text, tuple(prompt), tuple(ids), lm.tokenizer.decode(ids, skip_special_tokens=True))
             for text, prompt, ids in zip(instructions(), prompts, reply_ids)]

@@ -105,7 +105,7 @@ def _score_cell(key: str, result: Mapping[str, object]) -> str:
 RETENTION_TITLE = ("retention: {n} general instructions outside the tasks, the base model's own greedy replies; NLL "
                    "per reply token and token agreement (the model's greedy choice, teacher-forced), 95% intervals "
                    "over the instructions; word for word: replies it would give whole. corrected: what a request "
-                   "without a task gets (the router's pick, else the merged model)")
+                   "without a task gets (the router's pick, else the uncorrected model)")
 
 
 def retention_table(retained: Mapping[str, object]) -> tuple[str, list[str], list[list[str]]]:

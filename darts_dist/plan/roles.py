@@ -254,6 +254,9 @@ def evaluation_roles(config: RunConfig, experts: dict[str, ModelShape], merged: 
             rows, length = e.generation_batch_size, RETENTION_ROW_TOKENS
             stages["retention"] = {"logits": _nll_logits(shape, rows, length, item),
                                    "activations": _forward(shape, rows, length, item)}
+            if name == ("base" if e.score_base else "merged"):  # where the base makes its replies
+                stages["retention replies"] = {"kv cache": rows * length * shape.kv_bytes_per_token(dtype),
+                                               "activations": _forward(shape, rows, length, item)}
         if e.score_limit != 0:
             rows = e.generation_batch_size
             stages["answers"] = {"kv cache": rows * (c.max_length + answer) * shape.kv_bytes_per_token(dtype),
