@@ -86,7 +86,9 @@ def check_config(models: TinyFamily, out: Path, gpu: bool, args: argparse.Namesp
         "cluster": {"use_gpu": gpu, "num_workers": 1, "zero_stage": 0,
                     **({"worker_resources": {"GPU": 0.5}, "expert_resources": {"GPU": 0.5 / experts}} if gpu else {}),
                     "run_id": f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"},
-        "evaluation": {"score_limit": args.problems, "max_new_tokens": 32, "score_base": False},
+        # Retention on a GPU; on the CPU stand-in the base's 40 replies at width 4096 in bf16 cost a minute, and
+        # bf16 retention is tests/test_retention.py's and the fake-GPU run's (tests/test_fake_gpus.py).
+        "evaluation": {"score_limit": args.problems, "max_new_tokens": 32, "score_base": False, "retention": gpu},
         "tracking": {"uri": f"sqlite:///{out}/mlflow.db"},
         "serve": {"use_gpu": gpu, "max_batch_size": 16},
     }
