@@ -217,8 +217,7 @@ class Evaluator:
             return NO_BASE
         with CorrectedLM(base, self.tokenizer) as lm:
             rows = base_rows(lm, identity, self.cache, base_dir, self._retention_batch)
-            self.use_base(BaseSide({}, rows, None))
-            self.use_base(BaseSide({}, rows, self._retention(lm, identity)))
+            self.use_base(BaseSide({}, rows, self._retention(lm, identity, rows)))
         return self.base
 
     def use_base(self, side: BaseSide) -> None:
@@ -229,10 +228,12 @@ class Evaluator:
     def _retention_batch(self) -> int:
         return self.config.evaluation.generation_batch_size
 
-    def _retention(self, lm: CorrectedLM, identity: str | None = None) -> dict[str, object] | None:
-        """`lm` on the retention set (a request without a task: the router's pick, else uncorrected); None
-        without the set. An uncorrected model with its `identity` goes through the output cache, row by row."""
-        rows, batch = self.base.retention_rows, self._retention_batch
+    def _retention(self, lm: CorrectedLM, identity: str | None = None,
+                   rows: list[RetentionRow] | None = None) -> dict[str, object] | None:
+        """`lm` on the retention set (`rows`, by default the base side's; a request without a task: the router's
+        pick, else uncorrected); None without the set. An uncorrected model with its `identity` goes through the
+        output cache, row by row."""
+        rows, batch = rows or self.base.retention_rows, self._retention_batch
         if rows is None:
             return None
         if self.cache is None or identity is None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from darts_dist.core import ROUTED
+from darts_dist.errors import DartsError
 from darts_dist.evaluate.statistics import ratio_interval
 from darts_dist.fsutil import atomic_file
 from darts_dist.generation import CorrectedLM
@@ -82,7 +83,8 @@ def shipped_rows(base_dir: Path) -> list[RetentionRow] | None:
         return None
     replies = SET_FOLDER / manifest["replies"]
     if _sha256(replies) != manifest["replies_sha256"] or _sha256(INSTRUCTIONS) != manifest["instructions_sha256"]:
-        raise RuntimeError(f"{replies} or {INSTRUCTIONS} differ from {MANIFEST}: the package is damaged; reinstall")
+        raise DartsError(f"{replies} or {INSTRUCTIONS} differ from their checksums in {MANIFEST}",
+                         "reinstall darts-dist, or remake the set: python -m darts_dist.evaluate.retention")
     return [RetentionRow(row["instruction"], tuple(row["prompt_ids"]), tuple(row["reply_ids"]), row["reply"])
             for row in map(json.loads, replies.read_text().splitlines())]
 
