@@ -484,6 +484,9 @@ class ServeSection(_Section):
     # "soft" mixes the corrections with the router's probabilities instead of taking the top task.
     router_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
     routing: Literal["hard", "soft"] = "hard"
+    # A prompt unlike every task's calibration prompts (outside its top task's envelope: a general instruction to a
+    # code/math/chat merge) gets no correction either, however confident the router; false: the router's pick.
+    router_abstain_outside: bool = True
     # Slow or oversized requests must not tie up a replica: a body above max_request_bytes gets 413 (refused
     # on its Content-Length before any of it is read), a body not fully arrived after body_timeout_s gets 408,
     # and Serve's proxy answers 408 to a request still unanswered after request_timeout_s, or cuts a stream

@@ -12,9 +12,16 @@ import torch.nn.functional as F
 from test_generation import TASKS, strong_corrections
 
 from darts_dist.config import parse_config
-from darts_dist.core import ROUTED, TaskRouter
+from darts_dist.core import Envelope, ROUTED, TaskRouter
 from darts_dist.evaluate import retention
-from darts_dist.evaluate.retention import MAX_PROMPT_TOKENS, MAX_REPLY_TOKENS, made_rows, score, shipped_rows
+from darts_dist.evaluate.retention import (
+    MAX_PROMPT_TOKENS,
+    MAX_REPLY_TOKENS,
+    made_rows,
+    retention_fields,
+    score,
+    shipped_rows,
+)
 from darts_dist.evaluate.evaluator import BaseSide, Evaluator
 from darts_dist.evaluate.stage import evaluate_stage
 from darts_dist.evaluate.tables import evaluation_tables, retention_line
@@ -100,6 +107,31 @@ def test_the_routed_correction_is_scored_under_the_routers_pick(rows, base_lm) -
     assert list(routed.nll) == pytest.approx([-s.logprob for s in named], rel=1e-5)
     assert list(routed.nll) != pytest.approx([-s.logprob for s in plain], rel=1e-3)
     assert ROUTED == "auto"
+
+
+def test_a_router_abstaining_outside_its_tasks_keeps_the_merges_retention(rows, base_lm, tiny_family) -> None:
+    """What a request without a task gets, as the evaluator scores it: under a router sure of one task but whose
+    envelopes hold none of the instructions, the uncorrected model's scores exactly, all counted as no correction;
+    the same router routing outside gives them the task's correction. The field and the console line say so."""
+    d = base_lm.model.config.hidden_size
+    envelope = Envelope(torch.zeros(len(TASKS), d), torch.ones(len(TASKS), d), torch.zeros(len(TASKS)))
+    router = TaskRouter(TASKS, "final", torch.zeros(d), torch.ones(d), torch.zeros(len(TASKS), d),
+                        torch.tensor([0.9, 0.1]).log(), threshold=0.5, envelope=envelope)
+    config = parse_config({"sources": {"base": str(tiny_family.base), "experts": [
+        {"task": t, "path": str(tiny_family.experts[t])} for t in TASKS]}, "evaluation": {"generation_batch_size": 16}})
+    evaluator = Evaluator(config, {}, base_lm.tokenizer, progress=False, cache=None)
+    evaluator.use_base(BaseSide({}, rows, None))
+    merged = evaluator._retention(base_lm)
+    corrections = strong_corrections(d)
+    served = evaluator._served_retention(base_lm.model, base_lm.model, corrections, router, merged)
+    assert served["routes"] == {TASKS[0]: 0, TASKS[1]: 0, "merged": len(rows)}
+    assert {k: v for k, v in served.items() if k != "routes"} == merged
+    router.abstain_outside = False
+    routing = evaluator._served_retention(base_lm.model, base_lm.model, corrections, router, merged)
+    assert routing["routes"] == {TASKS[0]: len(rows), TASKS[1]: 0, "merged": 0} and routing["nll"] != merged["nll"]
+    retained = {"base": merged, "experts": {}, "merged": merged, "corrected": served}
+    assert retention_fields(retained)["retention_uncorrected_share"] == 1.0
+    assert retention_line({"retention": retained}).endswith(f"(no correction on {len(rows)} of {len(rows)})")
 
 
 def test_bf16_scores_stay_near_fp32(rows, tiny_family) -> None:

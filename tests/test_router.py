@@ -16,7 +16,7 @@ from darts_dist.calibrate.outcome import router_tasks
 from darts_dist.calibrate.router import fit_router, fit_run_router, task_prompts
 from darts_dist.cli import main
 from darts_dist.config import EvaluationSection, TrackingSection, load_config, updated
-from darts_dist.core import ROUTED, TaskRouter, TokenizedSet, merged_hidden, prompt_features, row_prompt_features
+from darts_dist.core import ROUTED, Envelope, TaskRouter, TokenizedSet, merged_hidden, prompt_features, row_prompt_features
 from darts_dist.errors import DartsError
 from darts_dist.generation import ContinuousBatcher, CorrectedLM, Finished, Sampling, SequenceRequest
 from darts_dist.sources.data import TaskFiles, tokenized
@@ -92,6 +92,69 @@ def test_save_and_load_round_trip_exactly(tmp_path: Path) -> None:
     assert torch.equal(loaded.route(features).probabilities, router.route(features).probabilities)
 
 
+THREE = ("code", "math", "instruct")
+
+
+def test_each_tasks_envelope_is_its_prompts_gaussian_with_a_leave_one_out_radius() -> None:
+    features, labels = blobs(12, seed=4)
+    router = fit_router(features, labels, THREE, "final")
+    z = router.standardised(features).double()
+    for task in range(3):
+        own = z[labels == task]
+        distances = []
+        for i in range(len(own)):  # refit without prompt i, then its distance
+            others = torch.cat([own[:i], own[i + 1:]])
+            variance = others.var(dim=0, unbiased=False).clamp_min(1e-3)
+            distances.append(float(((own[i] - others.mean(dim=0)) ** 2 / variance).mean()))
+        spread = own.var(dim=0, unbiased=False).clamp_min(1e-3).sqrt()
+        torch.testing.assert_close(router.envelope.center[task], own.mean(dim=0).float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(router.envelope.spread[task], spread.float(), atol=1e-5, rtol=1e-5)
+        assert float(router.envelope.radius[task]) == pytest.approx(max(distances), rel=1e-5)
+        # A prompt's distance to the fit that includes it is never larger: every calibration prompt is inside.
+        assert not router.outside(features[labels == task], torch.full((len(own),), task)).any()
+    one = fit_router(features[[0, 12, 13, 24, 25]], labels[[0, 12, 13, 24, 25]], THREE, "final")
+    assert torch.isinf(one.envelope.radius[0])  # a task known from one prompt bounds nothing
+
+
+def test_a_prompt_far_from_every_task_gets_no_correction_however_sure_the_router(tmp_path: Path) -> None:
+    """The softmax extrapolates: a prompt far along the code cluster's own direction, or off in a direction no task
+    varies in, gets a sure pick. Outside the envelope it gets none, as below the threshold; the tasks' own unseen
+    prompts stay inside."""
+    features, labels = blobs(40, seed=0)
+    router = fit_router(features, labels, THREE, "final")
+    held_out, truth = blobs(20, seed=1)
+    beyond_code = held_out[:5].clone()
+    beyond_code[:, 0] += 30.0
+    general = held_out[:5].clone()
+    general[:, 7] += 12.0
+    routing = router.route(torch.cat([held_out, beyond_code, general]))
+    assert routing.outside[60:].all() and (routing.task[60:] == -1).all()
+    assert (routing.probabilities[60:65].argmax(dim=-1) == 0).all() and (routing.confidence[60:65] > 0.99).all()
+    inside = ~routing.outside[:60]
+    assert inside.float().mean() >= 0.95
+    assert torch.equal(routing.task[:60][inside], truth[inside])
+    assert (router.route(beyond_code, abstain_outside=False).task == 0).all()  # routing outside: the pick stands
+    # The file keeps the envelope and the setting; the exported folder's router (transformers alone) agrees.
+    from darts_dist.core.modeling_darts import TaskRouter as ExportedRouter
+
+    for abstain in (True, False):
+        router.abstain_outside = abstain
+        path = router.save(tmp_path / f"router-{abstain}.safetensors")
+        loaded = TaskRouter.load(path)
+        assert loaded.abstain_outside is abstain and ExportedRouter(str(path)).abstain_outside is abstain
+        for mine, theirs in zip(loaded.envelope, router.envelope):
+            assert torch.equal(mine, theirs)
+        everything = torch.cat([held_out, beyond_code, general])
+        top = router.probabilities(everything).argmax(dim=-1)
+        assert torch.equal(ExportedRouter(str(path)).inside(everything, top), ~router.outside(everything, top))
+        assert torch.equal(loaded.route(everything).task, routing.task if abstain else
+                           router.route(everything, abstain_outside=False).task)
+    # A router without envelopes (a file from before them) finds nothing outside.
+    plain = TaskRouter(router.tasks, "final", router.mean, router.scale, router.weight, router.bias)
+    assert TaskRouter.load(plain.save(tmp_path / "plain.safetensors")).envelope is None
+    assert not plain.route(beyond_code).outside.any() and (plain.route(beyond_code).task == 0).all()
+
+
 def test_a_damaged_router_file_is_refused(tmp_path: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -159,6 +222,11 @@ def test_the_run_router_separates_synthetic_tasks_on_held_out_prompts(tiny_famil
     again = fit_run_router(updated(config, serve=updated(config.serve, router_threshold=planted)), data,
                            tiny_family.base, "final")
     assert again["below_threshold"] == pytest.approx(below / 12)
+    # outside_envelope and no_correction by hand, from the file's router on the same features.
+    routing = router.route(features)
+    outside = router.outside(features, routing.probabilities.argmax(dim=-1))
+    assert report["outside_envelope"] == pytest.approx(float(outside.float().mean()))
+    assert report["no_correction"] == pytest.approx(float(((routing.confidence < 0.6) | outside).float().mean()))
 
 
 def test_calibrations_merged_states_give_the_routers_features_and_router(tiny_family, tmp_path: Path,
@@ -265,6 +333,20 @@ def test_routed_generation_takes_the_routers_task_or_no_correction(merged: Corre
         unsure.close()
     assert [c.text for c in abstained] == [c.text for c in plain]
     assert {c.task for c in abstained} == {None}
+
+    # Sure of math, but every prompt lies outside math's envelope (radius 0): no correction, unless told to route.
+    d = merged.model.config.hidden_size
+    envelope = Envelope(torch.zeros(len(TASKS), d), torch.ones(len(TASKS), d), torch.zeros(len(TASKS)))
+    enveloped = constant_router(merged, [0.1, 0.9], threshold=0.5)
+    enveloped.envelope = envelope
+    for abstain, want in ((None, plain), (False, named)):
+        lm = routed_lm(merged, enveloped, abstain_outside=abstain)
+        try:
+            outcome = lm.generate(PROMPTS, [ROUTED] * 3, max_new_tokens=8)
+        finally:
+            lm.close()
+        assert [c.text for c in outcome] == [c.text for c in want]
+        assert {c.task for c in outcome} == ({None} if abstain is None else {"math"})
 
 
 def test_soft_routing_mixes_the_corrections_by_the_routers_probabilities(merged: CorrectedLM) -> None:

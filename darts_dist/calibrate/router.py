@@ -14,7 +14,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from darts_dist.config import RunConfig
-from darts_dist.core import ROUTER_FILE, LayerKey, TaskRouter, prompt_features
+from darts_dist.core import ROUTER_FILE, LayerKey, TaskRouter, fit_envelope, prompt_features
 from darts_dist.errors import DartsError
 from darts_dist.sources.data import TaskFiles, detect_format, prompts_of, split_rows
 from darts_dist.sources.models import (
@@ -33,8 +33,10 @@ from darts_dist.sources.output_cache import OutputCache, digest
 
 def fit_router(
     features: Tensor, labels: Tensor, tasks: Sequence[str], layer: LayerKey, threshold: float = 0.5, l2: float = 1e-2,
+    abstain_outside: bool = True,
 ) -> TaskRouter:
-    """Multinomial logistic regression, features [N, d] -> labels [N] (task indices), on standardised features.
+    """Multinomial logistic regression, features [N, d] -> labels [N] (task indices), on standardised features,
+    and each task's envelope in the same standardised space (core.fit_envelope).
 
     The objective is the mean cross-entropy plus l2/2·‖W‖² over the K weight rows (scikit-learn's C = 1/(l2·N)):
     the penalty keeps the weights finite on separable data, so the confidence stays a probability and not a
@@ -52,12 +54,14 @@ def fit_router(
     x = features.double().cpu().numpy()
     scaler = StandardScaler().fit(x)  # a feature that never varies keeps scale 1 instead of blowing up
     model = LogisticRegression(C=(2.0 if len(tasks) == 2 else 1.0) / (l2 * len(x)), max_iter=1000, tol=1e-8)
-    model.fit(scaler.transform(x), labels.numpy())
+    standardised = scaler.transform(x)
+    model.fit(standardised, labels.numpy())
     weight, bias = torch.from_numpy(model.coef_), torch.from_numpy(model.intercept_)
     if len(tasks) == 2:  # scikit-learn keeps one row for two classes: logit(task 1) − logit(task 0)
         weight, bias = torch.cat([torch.zeros_like(weight), weight]), torch.cat([torch.zeros_like(bias), bias])
+    envelope = fit_envelope(torch.from_numpy(standardised), labels, len(tasks))
     return TaskRouter(tasks, layer, torch.from_numpy(scaler.mean_), torch.from_numpy(scaler.scale_), weight, bias,
-                      threshold)
+                      threshold, envelope, abstain_outside)
 
 
 def task_prompts(
@@ -145,8 +149,8 @@ def fit_run_router(
     resources, never on the driver (a cluster's head: no GPU, and a 7B model in fp32 is 27 GB).
 
     With held-out data (of any task) the report has `accuracy` (top task = true task, whatever the
-    confidence), `per_task`, and `below_threshold` (the share of held-out prompts that would get no
-    correction).
+    confidence), `per_task`, and the shares of held-out prompts below the threshold, outside their top task's
+    envelope, and (either, as the router is set) given no correction.
     """
     tasks, path = config.tasks, config.run_dir / ROUTER_FILE
     calibration_features = {task: pooled for task, pooled in (calibration_features or {}).items() if len(pooled)}
@@ -158,7 +162,8 @@ def fit_run_router(
     else:
         labelled, counts, compute = router_features(*args, model)
     features, labels = labelled["calibration"]
-    router = fit_router(features, labels, tasks, layer, threshold=config.serve.router_threshold)
+    router = fit_router(features, labels, tasks, layer, threshold=config.serve.router_threshold,
+                        abstain_outside=config.serve.router_abstain_outside)
     train_accuracy = router.accuracy(features, labels)
     router.save(path, metadata={"train_accuracy": train_accuracy, "train_prompts": len(labels)})
     report: dict[str, Any] = {"path": str(path), "layer": layer, "threshold": router.threshold,
@@ -168,7 +173,10 @@ def fit_run_router(
         report["accuracy"] = router.accuracy(features, labels)
         report["per_task"] = {task: router.accuracy(features[labels == i], labels[labels == i])
                               for i, task in enumerate(tasks) if (labels == i).any()}
-        report["below_threshold"] = float((router.route(features).task < 0).float().mean())
+        routing = router.route(features)
+        report["below_threshold"] = float((routing.confidence < router.threshold).float().mean())
+        report["outside_envelope"] = float(routing.outside.float().mean())
+        report["no_correction"] = float((routing.task < 0).float().mean())
     if calibration_features:
         report["features_from_calibration"] = sorted(calibration_features)
     if config.evaluation.cache:

@@ -55,12 +55,15 @@ _NO_CORRECTION, _ROUTE = -1, -2
 
 
 def darts_section(base_model_type: str, tasks: Sequence[str], layers: Sequence[str | int], routed: bool,
-                  threshold: float | None, soft_routing: bool) -> dict[str, Any]:
+                  threshold: float | None, soft_routing: bool, abstain_outside: bool | None) -> dict[str, Any]:
     """config.json's `darts` section (a correction folder's darts_correction.json): where the corrections and router
-    are, and how routed sequences are routed."""
+    are, and how routed sequences are routed (`outside`: what a prompt outside its top task's envelope gets,
+    "abstain" (no correction) or "route"; None: as the router file says)."""
+    outside = None if abstain_outside is None or not routed else "abstain" if abstain_outside else "route"
     return {"base_model_type": base_model_type, "tasks": list(tasks), "layers": list(layers),
             "corrections": CORRECTIONS_FILE, "router": ROUTER_FILE if routed else None,
-            "threshold": threshold if routed else None, "routing": "soft" if soft_routing else "hard"}
+            "threshold": threshold if routed else None, "routing": "soft" if soft_routing else "hard",
+            "outside": outside}
 
 
 def _read_tagged(path: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -74,19 +77,31 @@ def _read_tagged(path: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
 
 
 class TaskRouter:
-    """softmax(W·(h̄ − mean)/scale + b) over the tasks, h̄ a prompt's mean hidden state at `layer` (darts-dist's
-    `core.router.TaskRouter`, applied the same way: on the CPU, in fp32)."""
+    """softmax(W·(h̄ − mean)/scale + b) over the tasks, h̄ a prompt's mean hidden state at `layer`, and each task's
+    envelope (darts-dist's `core.router.TaskRouter`, applied the same way: on the CPU, in fp32)."""
 
     def __init__(self, path: str) -> None:
         tensors, header = _read_tagged(path)
         self.tasks: tuple[str, ...] = tuple(header["tasks"])
         self.layer: str | int = header["layer"]
         self.threshold: float = header["threshold"]
+        self.abstain_outside: bool = header.get("abstain_outside", True)
         self.mean, self.scale, self.weight, self.bias = (tensors[k].float() for k in ("mean", "scale", "weight", "bias"))
+        self.envelope = tuple(tensors[f"envelope_{k}"].float() for k in ("center", "spread", "radius")) \
+            if header.get("envelope") else None
 
     def probabilities(self, pooled: Tensor) -> Tensor:
         x = (pooled.float().cpu() - self.mean) / self.scale
         return torch.softmax(x @ self.weight.T + self.bias, dim=-1)
+
+    def inside(self, pooled: Tensor, task: Tensor) -> Tensor:
+        """[n] bool: whether each prompt lies within `task`'s envelope, mean_j ((z_j − center_j) / spread_j)² at
+        most its radius, z the standardised features (always, for a router without envelopes)."""
+        if self.envelope is None:
+            return torch.ones(len(task), dtype=torch.bool)
+        center, spread, radius = self.envelope
+        z = (pooled.float().cpu() - self.mean) / self.scale
+        return (((z - center[task]) / spread[task]) ** 2).mean(dim=-1) <= radius[task]
 
 
 def _load_corrections(path: str) -> tuple[DartsCorrections, dict[str, Any]]:
@@ -105,7 +120,7 @@ class DartsCorrection:
     def __init__(self, corrections: DartsCorrections, router: TaskRouter | None = None, *,
                  made_for: dict[str, Any] | None = None, threshold: float | None = None,
                  soft_routing: bool = False, files: dict[str, str] | None = None,
-                 default_task: str | None = None) -> None:
+                 default_task: str | None = None, abstain_outside: bool | None = None) -> None:
         """`files`: the corrections and router files this was read from, which a saved model carries along;
         `default_task`: what `apply` sets as the model's darts_task unless told or the model says otherwise."""
         self.corrections = corrections
@@ -118,6 +133,8 @@ class DartsCorrection:
             raise ValueError(f"the router picks among {list(router.tasks)}, the corrections have {list(self.tasks)}")
         self.threshold = threshold if threshold is not None else router.threshold if router is not None else 1.0
         self.soft_routing = soft_routing
+        self.abstain_outside = abstain_outside if abstain_outside is not None else (
+            router.abstain_outside if router is not None else True)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, settings: dict[str, Any] | None = None,
@@ -136,12 +153,13 @@ class DartsCorrection:
         router = TaskRouter(files[ROUTER_FILE]) if ROUTER_FILE in files else None
         return cls(corrections, router, made_for=made_for, threshold=settings.get("threshold"),
                    soft_routing=settings.get("routing") == "soft", files=files,
-                   default_task=settings.get("darts_task"))
+                   default_task=settings.get("darts_task"),
+                   abstain_outside={"abstain": True, "route": False}.get(settings.get("outside")))
 
     def settings(self, base_model_type: str) -> dict[str, Any]:
         """The `darts` section of a folder holding these corrections."""
         return darts_section(base_model_type, self.tasks, self.corrections.layer_keys, self.router is not None,
-                             self.threshold, self.soft_routing)
+                             self.threshold, self.soft_routing, self.abstain_outside)
 
     def apply(self, model: PreTrainedModel, task: str | None = None) -> PreTrainedModel:
         """Put the corrections on `model` (a merged model of the shape they were trained for) and return it, now
@@ -284,7 +302,10 @@ class _DartsForward:
         probabilities = darts.router.probabilities(pooled)
         confidence, task = probabilities.max(dim=-1)
         chosen = probabilities if darts.soft_routing else one_hot_tasks(task, len(darts.tasks))
-        return chosen * (confidence >= darts.threshold).float()[:, None]
+        keep = confidence >= darts.threshold
+        if darts.abstain_outside:
+            keep &= darts.router.inside(pooled, task)
+        return chosen * keep.float()[:, None]
 
     @torch.no_grad()
     def _darts_route_hook(self, module: Any, args: Any, output: Any) -> None:

@@ -4,6 +4,10 @@ DARTS needs a task per request; the router removes that need (DESIGN.md §1, Inf
 multinomial logistic regression on the mean-pooled hidden state of the prompt at the surgery layer,
 features standardised: p = softmax(W·(h − mean)/scale + b). Its probability of the top task is the
 confidence: at or above the threshold the request gets that task's correction, below it none.
+
+A softmax is confident far from every task too (a general instruction gets one task's correction, which pulls it
+toward that task's expert), so the router also keeps each task's envelope, where that task's calibration prompts
+lie, and abstains on a prompt outside its top task's (`Envelope`).
 Fitting it is calibration's business (`darts_dist.calibrate.router`); here it is applied and stored.
 """
 
@@ -28,15 +32,60 @@ ROUTER_FILE = "router.safetensors"
 FORMAT = "darts-dist-router"
 FORMAT_VERSION = 1
 _HEADER_KEYS = ("tasks", "layer", "hidden_size", "threshold", "metadata")
+_ENVELOPE_TENSORS = ("envelope_center", "envelope_spread", "envelope_radius")
+# The least variance a standardised feature has within a task's envelope: a feature that never varies among a task's
+# calibration prompts must not put every other prompt infinitely far.
+_VARIANCE_FLOOR = 1e-3
 
 
 class Routing(NamedTuple):
-    """The router's decision for a batch: task index per sequence (−1: below the threshold), its confidence,
-    and every task's probability."""
+    """The router's decision for a batch: task index per sequence (−1: below the threshold, or outside the top
+    task's envelope where the router abstains there), its confidence, every task's probability, and whether the
+    prompt lies outside its top task's envelope."""
 
     task: Tensor  # [B] long
     confidence: Tensor  # [B]
     probabilities: Tensor  # [B, K]
+    outside: Tensor  # [B] bool
+
+
+class Envelope(NamedTuple):
+    """Where each task's calibration prompts lie in the router's standardised features z: a diagonal Gaussian per
+    task, and how far from it a prompt of the task may be.
+
+    distance_k(z) = mean_j ((z_j − center_kj) / spread_kj)², the per-feature Mahalanobis distance to task k. A
+    task's radius is the largest of its calibration prompts' distances, each to the envelope fit without it (leave
+    one out: a prompt's distance to a fit that includes it is biased low, the more so the fewer the prompts), so
+    it bounds what the task's unseen prompts reach; a task with a single prompt has no bound (radius inf).
+    """
+
+    center: Tensor  # [K, d]
+    spread: Tensor  # [K, d]
+    radius: Tensor  # [K]
+
+    def distance(self, z: Tensor) -> Tensor:
+        """[B, d] standardised features -> [B, K] distances."""
+        return (((z[:, None] - self.center) / self.spread) ** 2).mean(dim=-1)
+
+
+def fit_envelope(z: Tensor, labels: Tensor, tasks: int) -> Envelope:
+    """Each task's envelope from its calibration prompts' standardised features z [N, d] (labels [N]), in fp64."""
+    z = z.double()
+    centers, spreads, radii = [], [], []
+    for task in range(tasks):
+        own = z[labels == task]
+        n = len(own)
+        center = own.mean(dim=0)
+        centers.append(center)
+        spreads.append(own.var(dim=0, unbiased=False).clamp_min(_VARIANCE_FLOOR).sqrt())
+        if n < 2:
+            radii.append(torch.tensor(float("inf"), dtype=torch.float64))
+            continue
+        # Each prompt against the mean and variance of the other n − 1, from the sums, without n refits.
+        others = (own.sum(dim=0) - own) / (n - 1)
+        variance = ((own ** 2).sum(dim=0) - own ** 2) / (n - 1) - others ** 2
+        radii.append((((own - others) ** 2) / variance.clamp_min(_VARIANCE_FLOOR)).mean(dim=-1).max())
+    return Envelope(*(torch.stack(part).float() for part in (centers, spreads, radii)))
 
 
 class TaskRouter:
@@ -51,7 +100,11 @@ class TaskRouter:
         weight: Tensor,
         bias: Tensor,
         threshold: float = 0.5,
+        envelope: Envelope | None = None,
+        abstain_outside: bool = True,
     ) -> None:
+        """`envelope`: the tasks' (a router without one never finds a prompt outside); `abstain_outside`: whether
+        `route` gives a prompt outside its top task's envelope no task, as one below the threshold."""
         if not 0.0 <= threshold <= 1.0:
             raise DartsError(f"the router threshold must be in [0, 1], got {threshold}")
         self.tasks = tuple(tasks)
@@ -60,43 +113,68 @@ class TaskRouter:
         # another layout sums in another order, so a fitted router would route unlike its saved copy.
         self.mean, self.scale, self.weight, self.bias = (t.float().contiguous() for t in (mean, scale, weight, bias))
         self.threshold = threshold
+        self.envelope = None if envelope is None else Envelope(*(t.float().contiguous() for t in envelope))
+        self.abstain_outside = abstain_outside
 
     @property
     def hidden_size(self) -> int:
         return self.mean.shape[0]
 
+    def standardised(self, hidden: Tensor) -> Tensor:
+        """[B, d] pooled features -> the router's input (h − mean)/scale, fp32 on the CPU."""
+        return (hidden.float().cpu() - self.mean) / self.scale
+
     def probabilities(self, hidden: Tensor) -> Tensor:
         """[B, d] pooled features -> [B, K] task probabilities."""
-        x = (hidden.float().cpu() - self.mean) / self.scale
-        return torch.softmax(x @ self.weight.T + self.bias, dim=-1)
+        return torch.softmax(self.standardised(hidden) @ self.weight.T + self.bias, dim=-1)
 
-    def route(self, hidden: Tensor, threshold: float | None = None) -> Routing:
-        """The top task of each sequence, or −1 where its probability is below the threshold."""
+    def outside(self, hidden: Tensor, task: Tensor) -> Tensor:
+        """[B] bool: whether each prompt lies beyond the radius of `task`'s envelope (never, without one)."""
+        if self.envelope is None:
+            return torch.zeros(len(task), dtype=torch.bool)
+        rows = torch.arange(len(task))
+        return self.envelope.distance(self.standardised(hidden))[rows, task] > self.envelope.radius[task]
+
+    def route(self, hidden: Tensor, threshold: float | None = None, abstain_outside: bool | None = None) -> Routing:
+        """The top task of each sequence, or −1 where its probability is below the threshold or, abstaining
+        outside (the router's own setting unless given), where the prompt lies outside that task's envelope."""
         probabilities = self.probabilities(hidden)
         confidence, task = probabilities.max(dim=-1)
         cut = self.threshold if threshold is None else threshold
-        return Routing(task.masked_fill(confidence < cut, -1), confidence, probabilities)
+        outside = self.outside(hidden, task)
+        abstain = self.abstain_outside if abstain_outside is None else abstain_outside
+        none = (confidence < cut) | (outside if abstain else torch.zeros_like(outside))
+        return Routing(task.masked_fill(none, -1), confidence, probabilities, outside)
 
     def accuracy(self, hidden: Tensor, labels: Tensor) -> float:
         """The share of sequences whose top task is their label, whatever the confidence."""
         return float((self.probabilities(hidden).argmax(dim=-1) == labels).float().mean())
 
     def save(self, path: Path, metadata: dict[str, Any] | None = None) -> Path:
-        """The router as safetensors with a JSON header (tasks, layer, threshold), written atomically."""
+        """The router as safetensors with a JSON header (tasks, layer, threshold, whether it has an envelope and
+        abstains outside it), written atomically."""
         header = {"format": FORMAT, "version": FORMAT_VERSION, "tasks": list(self.tasks), "layer": self.layer,
-                  "hidden_size": self.hidden_size, "threshold": self.threshold, "metadata": metadata or {}}
+                  "hidden_size": self.hidden_size, "threshold": self.threshold, "envelope": self.envelope is not None,
+                  "abstain_outside": self.abstain_outside, "metadata": metadata or {}}
         tensors = {"mean": self.mean, "scale": self.scale, "weight": self.weight, "bias": self.bias}
+        if self.envelope is not None:
+            tensors |= dict(zip(_ENVELOPE_TENSORS, self.envelope))
         return write_tagged(path, tensors, header, "router")
 
     @classmethod
     def load(cls, path: Path) -> TaskRouter:
-        """Read a router file, refusing one whose tensors do not fit its header."""
+        """Read a router file, refusing one whose tensors do not fit its header. A file from before envelopes
+        (no "envelope" in its header) routes as it did: a router without one."""
         path = Path(path)
         header = read_tagged_header(path, FORMAT, FORMAT_VERSION, _HEADER_KEYS, "router")
         K, d = len(header["tasks"]), header["hidden_size"]
         expected = {"mean": [d], "scale": [d], "weight": [K, d], "bias": [K]}
+        if header.get("envelope"):
+            expected |= dict(zip(_ENVELOPE_TENSORS, ([K, d], [K, d], [K])))
         tensors = read_tagged_tensors(path, expected, "router")
-        return cls(header["tasks"], header["layer"], threshold=header["threshold"], **tensors)
+        envelope = Envelope(*(tensors.pop(name) for name in _ENVELOPE_TENSORS)) if header.get("envelope") else None
+        return cls(header["tasks"], header["layer"], threshold=header["threshold"], envelope=envelope,
+                   abstain_outside=header.get("abstain_outside", True), **tensors)
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ from darts_dist.evaluate.passes import (
     merged_outputs,
     reference,
 )
-from darts_dist.evaluate.retention import RetentionRow, RetentionScore, base_rows, retention_fields, score
+from darts_dist.evaluate.retention import RetentionRow, RetentionScore, base_rows, retention_fields, routes, score
 from darts_dist.evaluate.statistics import passes_text
 from darts_dist.evaluate.tables import overall
 from darts_dist.evaluate.task_scores import (
@@ -376,10 +376,14 @@ class Evaluator:
     def _served_retention(self, merged: PreTrainedModel, candidate: PreTrainedModel,
                           corrections: DartsCorrections | None, router: TaskRouter | None,
                           merged_retention: dict[str, object] | None) -> dict[str, object] | None:
-        """The retention of what a request without a task gets: the router's pick of the corrections, or without a
-        router the uncorrected model (the merged model's own score, unless a learned merge is judged)."""
+        """The retention of what a request without a task gets: the router's pick of the corrections (and where it
+        sent each instruction: `routes`), or without a router the uncorrected model (the merged model's own score,
+        unless a learned merge is judged)."""
         routed = router is not None and corrections is not None
         if not routed and candidate is merged:
             return merged_retention
         with CorrectedLM(candidate, self.tokenizer, corrections if routed else None, router if routed else None) as lm:
-            return self._retention(lm)
+            summary = self._retention(lm)
+            if routed and summary is not None:
+                summary["routes"] = routes(lm, self.base.retention_rows, self._retention_batch)
+            return summary

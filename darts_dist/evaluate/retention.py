@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from darts_dist.core import ROUTED
+from darts_dist.core.modeling_darts import MERGED
 from darts_dist.errors import DartsError
 from darts_dist.evaluate.statistics import ratio_interval
 from darts_dist.fsutil import atomic_file
@@ -133,6 +134,14 @@ def score(lm: CorrectedLM, rows: Sequence[RetentionRow], batch_size: int) -> Ret
                           tuple(s.agreeing for s in scores))
 
 
+def routes(lm: CorrectedLM, rows: Sequence[RetentionRow], batch_size: int) -> dict[str, int]:
+    """How many instructions the router of `lm` gives each task's correction, and none ("merged": the uncorrected
+    model, as its model id says), batched as `score` batches them."""
+    picks = [task for start in range(0, len(rows), batch_size)
+             for task in lm.routes([row.prompt_ids for row in rows[start:start + batch_size]])]
+    return {task: picks.count(task) for task in lm.tasks} | {MERGED: picks.count(None)}
+
+
 def retention_fields(retained: dict[str, object]) -> dict[str, object]:
     """An evaluation's overall retention numbers (`Evaluator.evaluate`'s "retention"): each model's NLL of the
     base's replies and agreement with them, with the intervals of the merge's and the corrected model's; the
@@ -148,6 +157,9 @@ def retention_fields(retained: dict[str, object]) -> dict[str, object]:
                     fields[f"retention_{metric}_{model}_ci"] = summary[f"{metric}_ci"]
         if experts:
             fields[f"retention_{metric}_experts"] = sum(s[metric] for s in experts) / len(experts)
+    served = retained.get("corrected") or {}
+    if "routes" in served:
+        fields["retention_uncorrected_share"] = served["routes"][MERGED] / served["n"]
     return fields
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from darts_dist.core.modeling_darts import MERGED
 from darts_dist.evaluate.statistics import gap_closed, nll_gap
 
 SCORE_KEYS = ("score_base", "score_expert", "score_merged", "score_corrected", "score_routed")
@@ -134,6 +135,9 @@ def retention_line(evaluation: Mapping[str, object]) -> str | None:
     experts = [s for s in retained["experts"].values() if s is not None]
     models = {"base": retained.get("base"), "merged": retained.get("merged"), "corrected": retained.get("corrected")}
     shown = [f"{name} {s['nll']:.3f} / {100 * s['agreement']:.0f}%" for name, s in models.items() if s is not None]
+    served = models["corrected"]
+    if served is not None and "routes" in served:
+        shown[-1] += f" (no correction on {served['routes'][MERGED]} of {served['n']})"
     if experts:
         shown.insert(1, "experts {:.3f} / {:.0f}%".format(sum(s["nll"] for s in experts) / len(experts),
                                                          100 * sum(s["agreement"] for s in experts) / len(experts)))

@@ -54,12 +54,13 @@ def _check_loadable(merged_dir: Path) -> dict[str, Any]:
 
 def darts_settings(source: ExportSource, model_type: str) -> dict[str, Any]:
     """The `darts` section: where the corrections and router are, and how routed requests are routed (the run's
-    serve settings, as its server routes; without them the router's own threshold applies)."""
+    serve settings, as its server routes; without them the router's own threshold and abstention apply)."""
     files, serve = source.files, source.config.serve if source.config is not None else None
     header = read_header(files.corrections)
     return darts_section(model_type, header["spec"]["tasks"], header["layers"], files.router is not None,
                          serve.router_threshold if serve is not None else None,
-                         serve is not None and serve.routing == "soft")
+                         serve is not None and serve.routing == "soft",
+                         serve.router_abstain_outside if serve is not None else None)
 
 
 def default_task(source: ExportSource, tasks: list[str], task: str | None) -> str:

@@ -79,9 +79,11 @@ class CorrectedLM:
         router: TaskRouter | None = None,
         threshold: float | None = None,
         soft_routing: bool = False,
+        abstain_outside: bool | None = None,
     ) -> None:
         """`threshold` defaults to the router's own; `soft_routing` mixes the corrections by the router's
-        probabilities instead of applying the top task's alone (below the threshold: none either way)."""
+        probabilities instead of applying the top task's alone (below the threshold: none either way);
+        `abstain_outside` (default: the router's own) gives a prompt outside its top task's envelope none too."""
         self.model = model
         self.tokenizer = tokenizer
         self.corrections = corrections
@@ -93,6 +95,8 @@ class CorrectedLM:
         if not 0.0 <= self.threshold <= 1.0:
             raise DartsError(f"the router threshold must be in [0, 1], got {self.threshold}")
         self.soft_routing = soft_routing
+        self.abstain_outside = abstain_outside if abstain_outside is not None else (
+            router.abstain_outside if router is not None else True)
         # A correction of the final norm's output changes no layer's keys and values; one of a decoder layer's does.
         self.corrects_kv = corrections is not None and any(layer != "final" for layer in corrections.layer_keys)
         device = next(model.parameters()).device
@@ -113,7 +117,7 @@ class CorrectedLM:
         **routing: object,
     ) -> CorrectedLM:
         """The merged model folder (weights and tokenizer) plus, optionally, its corrections and router files;
-        `routing`: threshold and soft_routing as in the constructor."""
+        `routing`: threshold, soft_routing and abstain_outside as in the constructor."""
         corrections = None if corrections_path is None else load_corrections_for(corrections_path, merged_dir)
         router = None if router_path is None else TaskRouter.load(router_path)
         return cls(load_causal_lm(merged_dir, dtype=dtype, device=device), load_tokenizer(merged_dir), corrections,
@@ -329,7 +333,7 @@ class CorrectedLM:
 
     def routes(self, encoded: Sequence[Sequence[int]]) -> list[str | None]:
         """The task whose correction the router applies to each tokenised prompt (None: none, below the
-        threshold), as `generate_ids` would for the routed id."""
+        threshold or outside the envelope), as `generate_ids` would for the routed id."""
         return [task for task, _ in self.task_weights([_ROUTE] * len(encoded), encoded)[1]]
 
     def task_weights(
@@ -360,8 +364,9 @@ class CorrectedLM:
 
     def _routed(self, features: torch.Tensor) -> tuple[list[torch.Tensor], list[tuple[str | None, float]]]:
         """The router's pick for prompts' features [N, d]: each one's correction weights [K] (none below the
-        threshold; the probabilities themselves with soft routing) and (task applied, confidence)."""
-        routing = self.router.route(features, self.threshold)
+        threshold or, abstaining there, outside the envelope; the probabilities themselves with soft routing) and
+        (task applied, confidence)."""
+        routing = self.router.route(features, self.threshold, self.abstain_outside)
         picked, applied = [], []
         for task, confidence, probabilities in zip(routing.task.tolist(), routing.confidence.tolist(),
                                                    routing.probabilities):

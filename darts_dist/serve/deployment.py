@@ -100,7 +100,7 @@ class DartsServer:
             lm = CorrectedLM.load(
                 files.merged_dir, files.corrections, device=device, dtype=model_dtype(settings.dtype, device),
                 router_path=files.router, threshold=settings.router_threshold,
-                soft_routing=settings.routing == "soft",
+                soft_routing=settings.routing == "soft", abstain_outside=settings.router_abstain_outside,
             )
             return ContinuousBatcher(lm, settings.max_batch_size, settings.max_batch_tokens,
                                      settings.prefix_cache_tokens, max_waiting=settings.max_waiting_sequences,
