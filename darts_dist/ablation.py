@@ -89,6 +89,10 @@ VARIANTS: dict[str, Callable[[CalibrationSection], CalibrationSection | None]] =
     "position": lambda settings: _with_position(_no_entropy(settings)),  # the position bias alone
     "darts": lambda settings: settings,
 }
+PAPER_VARIANTS = tuple(VARIANTS)
+# DARTS at a lower rank than the config's (fewer bytes a task): the frontier's cheaper corrections, run when named.
+RANKED = {f"rank{rank}": rank for rank in (16, 64)}
+VARIANTS |= {name: (lambda settings, rank=rank: updated(settings, rank=rank)) for name, rank in RANKED.items()}
 # Variants built at run time from DARTS's: deep DARTS (every merge) needs the model's layers; the learned merge
 # coefficients (the headline merge only) replace the merge itself, starting from the run's task-arithmetic weights.
 # Naming COEFFICIENTS runs COEFFICIENTS_DARTS too.
@@ -174,8 +178,9 @@ class AblationRequest(BaseModel):
 
     @property
     def chosen(self) -> tuple[str, ...]:
-        """The variants to run, in order: those named, else all (VARIANTS' alone, not `extended`)."""
-        return self.variants or ((*VARIANTS, *EXTENDED) if self.extended else tuple(VARIANTS))
+        """The variants to run, in order: those named, else the paper's and the extended ones (the paper's alone,
+        not `extended`); the ranked ones only when named."""
+        return self.variants or ((*PAPER_VARIANTS, *EXTENDED) if self.extended else PAPER_VARIANTS)
 
 
 def _each_once(names: Sequence[str], known: Sequence[str], what: str) -> None:
@@ -207,7 +212,8 @@ def plan_ablation(
 
     merge_methods default: the config's method, then task_arithmetic and TIES; with tuning the
     validation fraction defaults to the config's, or 0.2 where the config holds none back. `variants`: names
-    from VARIANTS and EXTENDED (default: all, or VARIANTS' alone where `extended` is False).
+    from VARIANTS and EXTENDED (default: the paper's and EXTENDED, or the paper's alone where `extended` is False;
+    the ranked ones, RANKED, only when named).
     """
     try:
         request = AblationRequest(

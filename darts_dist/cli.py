@@ -616,8 +616,9 @@ def _ablation_commands(command: Command, demo: argparse.ArgumentParser) -> dict[
                        help="only merged, Surgery, +entropy, +position and DARTS (no deep DARTS, no learned coefficients, "
                        "no TALL or EMR)")
         p.add_argument("--variants", default=None, metavar="V1,V2",
-                       help="only these of merged, surgery, entropy, position, darts, deep, coefficients, tall, emr "
-                       "(default all; deep DARTS and the learned coefficients need darts)")
+                       help="only these of merged, surgery, entropy, position, darts, deep, coefficients, tall, emr, "
+                       "rank16, rank64 (DARTS at that rank) (default all but the ranked ones; deep DARTS and the "
+                       "learned coefficients need darts)")
     sweep = command("merge-sweep", "score candidate merges on the validation split and name the best", cmd_merge_sweep)
     sweep.add_argument("config", type=Path)
     sweep.add_argument("--candidates", nargs="+", default=None, metavar="METHOD[:K=V,...]",

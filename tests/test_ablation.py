@@ -346,6 +346,12 @@ def test_variants_can_be_chosen() -> None:
     plan = plan_ablation(_config(), variants=["darts", "deep"])
     assert list(plan.variants) == ["darts"] and plan.deep and not plan.coefficients
     assert not plan_ablation(_config(), extended=False).deep
+    # The ranked variants: DARTS's settings at another rank, run only when named.
+    plan = plan_ablation(_config({"rank": 32}), variants=["darts", "rank16", "rank64"])
+    darts = plan.variants["darts"]
+    for name, rank in (("rank16", 16), ("rank64", 64)):
+        assert plan.variants[name] == darts.model_copy(update={"rank": rank}) and darts.rank != rank
+    assert not {"rank16", "rank64"} & set(plan_ablation(_config()).variants)
     with pytest.raises(DartsError, match="unknown or repeated"):
         plan_ablation(_config(), variants=["merged", "dart"])
     with pytest.raises(DartsError, match="add darts"):
