@@ -90,7 +90,8 @@ VARIANTS: dict[str, Callable[[CalibrationSection], CalibrationSection | None]] =
     "darts": lambda settings: settings,
 }
 PAPER_VARIANTS = tuple(VARIANTS)
-# DARTS at a lower rank than the config's (fewer bytes a task): the frontier's cheaper corrections, run when named.
+# DARTS at another rank than the config's (the demo's is 256: these are the frontier's cheaper corrections), routed
+# as DARTS is; run when named.
 RANKED = {f"rank{rank}": rank for rank in (16, 64)}
 VARIANTS |= {name: (lambda settings, rank=rank: updated(settings, rank=rank)) for name, rank in RANKED.items()}
 # Variants built at run time from DARTS's: deep DARTS (every merge) needs the model's layers; the learned merge
@@ -429,7 +430,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         results = {}
         for name, variant in here.items():
             results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking, plan.seeds,
-                                         router if name == "darts" else None)
+                                         router if name == "darts" or name in RANKED else None)
         if headline and plan.coefficients:
             results |= _coefficient_variants(plan, variants["darts"], setup.vectors, merged, sides, setup.experts, ctx,
                                              tracking)

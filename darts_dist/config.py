@@ -484,7 +484,7 @@ class ServeSection(_Section):
     # "soft" mixes the corrections with the router's probabilities instead of taking the top task.
     router_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
     routing: Literal["hard", "soft"] = "hard"
-    # A prompt unlike every task's calibration prompts (outside its top task's envelope: a general instruction to a
+    # A prompt outside its top task's envelope (unlike that task's calibration prompts: a general instruction to a
     # code/math/chat merge) gets no correction either, however confident the router; false: the router's pick.
     router_abstain_outside: bool = True
     # Slow or oversized requests must not tie up a replica: a body above max_request_bytes gets 413 (refused

@@ -234,7 +234,11 @@ def test_ablate_writes_the_report(tiny_family, tmp_path: Path, monkeypatch) -> N
     headline = report["variants"]
     merged_retention = headline["merged"]["overall"]["retention_nll_corrected"]
     assert headline["surgery"]["overall"]["retention_nll_corrected"] == merged_retention
-    assert headline["darts"]["overall"]["retention_nll_corrected"] != merged_retention
+    routed = headline["darts"]["seed_runs"][0]["retention"]["corrected"]
+    assert sum(routed["routes"].values()) == routed["n"]  # each instruction a task's correction, or none
+    # Only instructions inside a task's envelope are corrected: none, and the merge's retention is kept exactly.
+    assert (headline["darts"]["overall"]["retention_nll_corrected"] == merged_retention) == (
+        routed["routes"]["merged"] == routed["n"])
     assert "retention_nll_corrected" in headline["darts"]["overall_sd"]
     assert headline["darts"]["seed_runs"][0]["retention"]["base"]["agreement"] == 1.0
     # Tuning: paired trials of Surgery and DARTS on the validation split of the headline merge, whose

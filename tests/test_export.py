@@ -120,7 +120,7 @@ def test_transformers_alone_loads_the_copied_folder_and_answers_as_darts_dist(ru
     assert loaded["pipeline"].startswith("def add(a, b):") and len(loaded["pipeline"]) > len("def add(a, b):")
     logits = load_file(str(tmp_path / "logits.safetensors"))
     assert len({len(ids) for ids in encoded}) > 3
-    assert len(set(lm.routes(encoded))) > 1  # routed rows under different corrections in one batch
+    assert {"code", "math", None} <= set(lm.routes(encoded))  # both corrections and none (outside) in one batch
     texts = {}
     for name, task in TASK_NAMES.items():
         want = lm.generate_ids(encoded, [task] * len(encoded), max_new_tokens=MAX_NEW_TOKENS)
@@ -153,7 +153,7 @@ def test_routing_in_the_corrected_forward_equals_a_pass_of_its_own(tiny_family, 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
     lm = CorrectedLM.load(run / "merged", run / "corrections.safetensors", router_path=run / ROUTER_FILE)
     encoded = prompts(lm)[:24]
-    assert len(set(lm.routes(encoded))) > 1
+    assert {"code", "math"} <= set(lm.routes(encoded))
     ids, mask = token_batch(encoded, lm.pad_id)
     assert model._darts_in_pass  # no correction before the router's layer
     lm.tokenizer.padding_side = "left"

@@ -150,7 +150,7 @@ def test_likelihoods_are_the_corrected_models(run_dir: Path, task: str) -> None:
     assert [g for _, g in got] == [g for _, g in expected]
     assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], abs=1e-5)
     if task == "routed":  # both of the router's picks among the contexts: the grouping is exercised
-        assert len(set(lm.routes([c for c, _ in pairs]))) > 1
+        assert {"code", "math"} <= set(lm.routes([c for c, _ in pairs]))
     # A whole text, from the prefix token on, under the same correction (routed: routed on all of the text).
     text = "def add(a, b):\n    return a + b"
     tokens = model.tok_encode(text)

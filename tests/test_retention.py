@@ -117,18 +117,19 @@ def test_a_router_abstaining_outside_its_tasks_keeps_the_merges_retention(rows, 
     envelope = Envelope(torch.zeros(len(TASKS), d), torch.ones(len(TASKS), d), torch.zeros(len(TASKS)))
     router = TaskRouter(TASKS, "final", torch.zeros(d), torch.ones(d), torch.zeros(len(TASKS), d),
                         torch.tensor([0.9, 0.1]).log(), threshold=0.5, envelope=envelope)
-    config = parse_config({"sources": {"base": str(tiny_family.base), "experts": [
-        {"task": t, "path": str(tiny_family.experts[t])} for t in TASKS]}, "evaluation": {"generation_batch_size": 16}})
-    evaluator = Evaluator(config, {}, base_lm.tokenizer, progress=False, cache=None)
-    evaluator.use_base(BaseSide({}, rows, None))
-    merged = evaluator._retention(base_lm)
-    corrections = strong_corrections(d)
-    served = evaluator._served_retention(base_lm.model, base_lm.model, corrections, router, merged)
-    assert served["routes"] == {TASKS[0]: 0, TASKS[1]: 0, "merged": len(rows)}
-    assert {k: v for k, v in served.items() if k != "routes"} == merged
-    router.abstain_outside = False
-    routing = evaluator._served_retention(base_lm.model, base_lm.model, corrections, router, merged)
-    assert routing["routes"] == {TASKS[0]: len(rows), TASKS[1]: 0, "merged": 0} and routing["nll"] != merged["nll"]
+    corrections, served = strong_corrections(d), {}
+    for abstain in (True, False):  # the run's serve setting, as the server would route
+        config = parse_config({"sources": {"base": str(tiny_family.base), "experts": [
+            {"task": t, "path": str(tiny_family.experts[t])} for t in TASKS]},
+            "evaluation": {"generation_batch_size": 16}, "serve": {"router_abstain_outside": abstain}})
+        evaluator = Evaluator(config, {}, base_lm.tokenizer, progress=False, cache=None)
+        evaluator.use_base(BaseSide({}, rows, None))
+        merged = evaluator._retention(base_lm)
+        served[abstain] = evaluator._served_retention(base_lm.model, base_lm.model, corrections, router, merged)
+    assert served[True]["routes"] == {"merged": len(rows)}
+    assert {k: v for k, v in served[True].items() if k != "routes"} == merged
+    assert served[False]["routes"] == {"merged": 0, TASKS[0]: len(rows)} and served[False]["nll"] != merged["nll"]
+    served = served[True]
     retained = {"base": merged, "experts": {}, "merged": merged, "corrected": served}
     assert retention_fields(retained)["retention_uncorrected_share"] == 1.0
     assert retention_line({"retention": retained}).endswith(f"(no correction on {len(rows)} of {len(rows)})")

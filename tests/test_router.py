@@ -95,8 +95,13 @@ def test_save_and_load_round_trip_exactly(tmp_path: Path) -> None:
 THREE = ("code", "math", "instruct")
 
 
-def test_each_tasks_envelope_is_its_prompts_gaussian_with_a_leave_one_out_radius() -> None:
+@pytest.mark.parametrize("case", ["blobs", "a constant feature and a task of two prompts"])
+def test_each_tasks_envelope_is_its_prompts_gaussian_with_a_leave_one_out_radius(case: str) -> None:
     features, labels = blobs(12, seed=4)
+    if case != "blobs":  # the variance floor: feature 5 never varies within a task; math known from two prompts
+        features[:, 5] = labels.float()
+        keep = (labels != 1) | (torch.arange(len(labels)) < 14)
+        features, labels = features[keep], labels[keep]
     router = fit_router(features, labels, THREE, "final")
     z = router.standardised(features).double()
     for task in range(3):
@@ -149,10 +154,25 @@ def test_a_prompt_far_from_every_task_gets_no_correction_however_sure_the_router
         assert torch.equal(ExportedRouter(str(path)).inside(everything, top), ~router.outside(everything, top))
         assert torch.equal(loaded.route(everything).task, routing.task if abstain else
                            router.route(everything, abstain_outside=False).task)
-    # A router without envelopes (a file from before them) finds nothing outside.
-    plain = TaskRouter(router.tasks, "final", router.mean, router.scale, router.weight, router.bias)
-    assert TaskRouter.load(plain.save(tmp_path / "plain.safetensors")).envelope is None
-    assert not plain.route(beyond_code).outside.any() and (plain.route(beyond_code).task == 0).all()
+    # A router file from before envelopes (format version 1, no envelope in its header) finds nothing outside.
+    from darts_dist.core.io import write_tagged
+
+    legacy = write_tagged(tmp_path / "legacy.safetensors",
+                          {name: getattr(router, name) for name in ("mean", "scale", "weight", "bias")},
+                          {"format": "darts-dist-router", "version": 1, "tasks": list(THREE), "layer": "final",
+                           "hidden_size": 16, "threshold": 0.5, "metadata": {}}, "router")
+    old = TaskRouter.load(legacy)
+    assert old.envelope is None and ExportedRouter(str(legacy)).envelope is None
+    assert not old.route(beyond_code).outside.any() and (old.route(beyond_code).task == 0).all()
+    assert ExportedRouter(str(legacy)).inside(beyond_code, torch.zeros(5, dtype=torch.long)).all()
+
+
+def test_the_exported_folders_outside_setting_is_checked() -> None:
+    from darts_dist.core.modeling_darts import _abstain_outside
+
+    assert (_abstain_outside("abstain"), _abstain_outside("route"), _abstain_outside(None)) == (True, False, None)
+    with pytest.raises(ValueError, match="darts.outside is 'Abstain'"):
+        _abstain_outside("Abstain")
 
 
 def test_a_damaged_router_file_is_refused(tmp_path: Path) -> None:

@@ -44,8 +44,10 @@ def write_tagged(path: Path, tensors: dict[str, torch.Tensor], header: dict[str,
     return path
 
 
-def read_tagged_header(path: Path, fmt: str, version: int, keys: tuple[str, ...], kind: str) -> dict[str, Any]:
-    """The darts-dist header of a `fmt` file, checked for format, version and `keys`, without loading tensors.
+def read_tagged_header(path: Path, fmt: str, version: int | tuple[int, ...], keys: tuple[str, ...],
+                       kind: str) -> dict[str, Any]:
+    """The darts-dist header of a `fmt` file, checked for format, version (one, or those readable) and `keys`,
+    without loading tensors.
 
     `kind` names the file's content in errors ("corrections", "router").
     """
@@ -70,9 +72,11 @@ def read_tagged_header(path: Path, fmt: str, version: int, keys: tuple[str, ...]
     if not isinstance(header, dict) or header.get("format") != fmt:
         found = header.get("format") if isinstance(header, dict) else type(header).__name__
         raise DartsError(f"{path}: header format is {found!r}, expected {fmt!r}", fix=resave)
-    if header.get("version") != version:
+    readable = version if isinstance(version, tuple) else (version,)
+    if header.get("version") not in readable:
         raise DartsError(
-            f"{path}: {kind} format version {header.get('version')!r}, this darts-dist reads {version}",
+            f"{path}: {kind} format version {header.get('version')!r}, this darts-dist reads "
+            f"{' or '.join(map(str, readable))}",
             fix="use the darts-dist version that wrote the file, or re-calibrate",
         )
     for key in keys:

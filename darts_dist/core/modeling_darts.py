@@ -104,6 +104,13 @@ class TaskRouter:
         return (((z - center[task]) / spread[task]) ** 2).mean(dim=-1) <= radius[task]
 
 
+def _abstain_outside(outside: str | None) -> bool | None:
+    """The `darts` section's `outside`: "abstain" or "route", or None (absent: as the router file says)."""
+    if outside not in (None, "abstain", "route"):
+        raise ValueError(f"darts.outside is {outside!r}: use \"abstain\", \"route\" or leave it out")
+    return None if outside is None else outside == "abstain"
+
+
 def _load_corrections(path: str) -> tuple[DartsCorrections, dict[str, Any]]:
     """The corrections in a darts-dist corrections file, and what they record about their merged model."""
     tensors, header = _read_tagged(path)
@@ -154,7 +161,7 @@ class DartsCorrection:
         return cls(corrections, router, made_for=made_for, threshold=settings.get("threshold"),
                    soft_routing=settings.get("routing") == "soft", files=files,
                    default_task=settings.get("darts_task"),
-                   abstain_outside={"abstain": True, "route": False}.get(settings.get("outside")))
+                   abstain_outside=_abstain_outside(settings.get("outside")))
 
     def settings(self, base_model_type: str) -> dict[str, Any]:
         """The `darts` section of a folder holding these corrections."""

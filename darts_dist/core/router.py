@@ -30,7 +30,7 @@ from darts_dist.errors import DartsError
 ROUTED = "auto"
 ROUTER_FILE = "router.safetensors"
 FORMAT = "darts-dist-router"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: with the tasks' envelopes; a version 1 file (none) still loads
 _HEADER_KEYS = ("tasks", "layer", "hidden_size", "threshold", "metadata")
 _ENVELOPE_TENSORS = ("envelope_center", "envelope_spread", "envelope_radius")
 # The least variance a standardised feature has within a task's envelope: a feature that never varies among a task's
@@ -63,9 +63,9 @@ class Envelope(NamedTuple):
     spread: Tensor  # [K, d]
     radius: Tensor  # [K]
 
-    def distance(self, z: Tensor) -> Tensor:
-        """[B, d] standardised features -> [B, K] distances."""
-        return (((z[:, None] - self.center) / self.spread) ** 2).mean(dim=-1)
+    def distance(self, z: Tensor, task: Tensor) -> Tensor:
+        """[B, d] standardised features -> [B] each one's distance to its `task`'s envelope."""
+        return (((z - self.center[task]) / self.spread[task]) ** 2).mean(dim=-1)
 
 
 def fit_envelope(z: Tensor, labels: Tensor, tasks: int) -> Envelope:
@@ -132,8 +132,8 @@ class TaskRouter:
         """[B] bool: whether each prompt lies beyond the radius of `task`'s envelope (never, without one)."""
         if self.envelope is None:
             return torch.zeros(len(task), dtype=torch.bool)
-        rows = torch.arange(len(task))
-        return self.envelope.distance(self.standardised(hidden))[rows, task] > self.envelope.radius[task]
+        # Not `>`: a NaN distance is outside, as the exported folder's `<=` test finds it.
+        return ~(self.envelope.distance(self.standardised(hidden), task) <= self.envelope.radius[task])
 
     def route(self, hidden: Tensor, threshold: float | None = None, abstain_outside: bool | None = None) -> Routing:
         """The top task of each sequence, or −1 where its probability is below the threshold or, abstaining
@@ -143,8 +143,9 @@ class TaskRouter:
         cut = self.threshold if threshold is None else threshold
         outside = self.outside(hidden, task)
         abstain = self.abstain_outside if abstain_outside is None else abstain_outside
-        none = (confidence < cut) | (outside if abstain else torch.zeros_like(outside))
-        return Routing(task.masked_fill(none, -1), confidence, probabilities, outside)
+        # Not `<`: a NaN confidence gets no correction, as in the exported folder.
+        uncorrected = ~(confidence >= cut) | (outside & abstain)
+        return Routing(task.masked_fill(uncorrected, -1), confidence, probabilities, outside)
 
     def accuracy(self, hidden: Tensor, labels: Tensor) -> float:
         """The share of sequences whose top task is their label, whatever the confidence."""
@@ -163,10 +164,11 @@ class TaskRouter:
 
     @classmethod
     def load(cls, path: Path) -> TaskRouter:
-        """Read a router file, refusing one whose tensors do not fit its header. A file from before envelopes
-        (no "envelope" in its header) routes as it did: a router without one."""
+        """Read a router file, refusing one whose tensors do not fit its header. A version 1 file (from before
+        envelopes) routes as it did: a router without one, which finds no prompt outside (calibrate again for
+        envelopes)."""
         path = Path(path)
-        header = read_tagged_header(path, FORMAT, FORMAT_VERSION, _HEADER_KEYS, "router")
+        header = read_tagged_header(path, FORMAT, (1, FORMAT_VERSION), _HEADER_KEYS, "router")
         K, d = len(header["tasks"]), header["hidden_size"]
         expected = {"mean": [d], "scale": [d], "weight": [K, d], "bias": [K]}
         if header.get("envelope"):

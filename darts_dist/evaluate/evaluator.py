@@ -30,7 +30,7 @@ from darts_dist.evaluate.passes import (
     merged_outputs,
     reference,
 )
-from darts_dist.evaluate.retention import RetentionRow, RetentionScore, base_rows, retention_fields, routes, score
+from darts_dist.evaluate.retention import RetentionRow, RetentionScore, base_rows, retention_fields, score
 from darts_dist.evaluate.statistics import passes_text
 from darts_dist.evaluate.tables import overall
 from darts_dist.evaluate.task_scores import (
@@ -228,6 +228,13 @@ class Evaluator:
     def _retention_batch(self) -> int:
         return self.config.evaluation.generation_batch_size
 
+    @property
+    def _routing(self) -> dict[str, object]:
+        """How the server routes a request without a task (the run's serve settings), so that routed models are
+        scored as served."""
+        serve = self.config.serve
+        return {"threshold": serve.router_threshold, "abstain_outside": serve.router_abstain_outside}
+
     def _retention(self, lm: CorrectedLM, identity: str | None = None,
                    rows: list[RetentionRow] | None = None) -> dict[str, object] | None:
         """`lm` on the retention set (`rows`, by default the base side's; a request without a task: the router's
@@ -348,7 +355,7 @@ class Evaluator:
                 corrected, routed = plain.passes, None  # without corrections, the merged model is the 'corrected' one
                 if corrections is not None or candidate is not merged:
                     with CorrectedLM(candidate, self.tokenizer, corrections,
-                                     router if corrections is not None else None) as lm:
+                                     router if corrections is not None else None, **self._routing) as lm:
                         corrected = problem_passes(lm, None if corrections is None else side.task, side.problems,
                                                    side.scorer, self.config.evaluation,
                                                    f"corrected answers {side.task}", self.progress)
@@ -382,8 +389,6 @@ class Evaluator:
         routed = router is not None and corrections is not None
         if not routed and candidate is merged:
             return merged_retention
-        with CorrectedLM(candidate, self.tokenizer, corrections if routed else None, router if routed else None) as lm:
-            summary = self._retention(lm)
-            if routed and summary is not None:
-                summary["routes"] = routes(lm, self.base.retention_rows, self._retention_batch)
-            return summary
+        with CorrectedLM(candidate, self.tokenizer, corrections if routed else None, router if routed else None,
+                         **self._routing) as lm:
+            return self._retention(lm)

@@ -56,17 +56,23 @@ class RetentionScore:
     nll: tuple[float, ...]
     tokens: tuple[int, ...]
     agreeing: tuple[int, ...]
+    routed_to: tuple[str | None, ...] = ()  # a routed model's correction per instruction (None: none); else empty
 
     def summary(self) -> dict[str, object]:
         """NLL per reply token and token agreement with their 95% intervals (instructions resampled), the share of
-        replies the model would give word for word, and the counts."""
+        replies the model would give word for word, the counts, and for a routed model `routes`: how many
+        instructions got each task's correction, and none ("merged": the uncorrected model, as its model id says)."""
         total = sum(self.tokens)
-        return {
+        summary = {
             "nll": sum(self.nll) / total, "nll_ci": list(ratio_interval(self.nll, self.tokens)),
             "agreement": sum(self.agreeing) / total, "agreement_ci": list(ratio_interval(self.agreeing, self.tokens)),
             "exact": sum(a == t for a, t in zip(self.agreeing, self.tokens)) / len(self.tokens),
             "n": len(self.tokens), "tokens": total,
         }
+        if self.routed_to:
+            summary["routes"] = {MERGED: self.routed_to.count(None)} | {
+                task: self.routed_to.count(task) for task in sorted(set(self.routed_to) - {None})}
+        return summary
 
 
 def instructions() -> list[str]:
@@ -131,15 +137,7 @@ def score(lm: CorrectedLM, rows: Sequence[RetentionRow], batch_size: int) -> Ret
         scores += lm.continuation_scores([r.prompt_ids for r in chunk], [r.reply_ids for r in chunk],
                                          [ROUTED] * len(chunk) if routed else None)
     return RetentionScore(tuple(-s.logprob for s in scores), tuple(s.tokens for s in scores),
-                          tuple(s.agreeing for s in scores))
-
-
-def routes(lm: CorrectedLM, rows: Sequence[RetentionRow], batch_size: int) -> dict[str, int]:
-    """How many instructions the router of `lm` gives each task's correction, and none ("merged": the uncorrected
-    model, as its model id says), batched as `score` batches them."""
-    picks = [task for start in range(0, len(rows), batch_size)
-             for task in lm.routes([row.prompt_ids for row in rows[start:start + batch_size]])]
-    return {task: picks.count(task) for task in lm.tasks} | {MERGED: picks.count(None)}
+                          tuple(s.agreeing for s in scores), tuple(s.task for s in scores) if routed else ())
 
 
 def retention_fields(retained: dict[str, object]) -> dict[str, object]:

@@ -50,6 +50,7 @@ class ContinuationScore:
     logprob: float  # log p(continuation | context)
     tokens: int
     agreeing: int  # its tokens that are the model's greedy choice at their position
+    task: str | None = None  # the correction it was scored under (a routed row: the router's pick); None: none
 
 
 # The task index of a routed sequence until the router has decided (−1 is no correction, 0..K−1 a task).
@@ -269,7 +270,8 @@ class CorrectedLM:
         route_on: Sequence[Sequence[int]] | None = None,
     ) -> list[ContinuationScore]:
         """Each continuation teacher-forced after its context, under its task's correction, in one forward: its
-        log-probability, its token count, and how many of its tokens are the model's own greedy choice there.
+        log-probability, its token count, how many of its tokens are the model's own greedy choice there, and the
+        correction applied.
 
         Routed rows are routed on `route_on` (default: their contexts), as generation routes on the prompt, so
         the continuation being scored does not choose its own correction.
@@ -280,7 +282,7 @@ class CorrectedLM:
             raise DartsError(f"{len(contexts)} contexts but {len(continuations)} continuations",
                              "give one continuation per context")
         task_ids = [self.task_index(task) for task in self._task_names(len(contexts), tasks)]
-        weights, _ = self.task_weights(task_ids, route_on or contexts)
+        weights, applied = self.task_weights(task_ids, route_on or contexts)
         # Right padding: each row's tokens sit at positions 0..n−1, as the forward numbers them without position ids.
         input_ids, attention_mask = token_batch([[*c, *x] for c, x in zip(contexts, continuations)], self.pad_id)
         scored = torch.zeros_like(attention_mask, dtype=torch.bool)
@@ -291,8 +293,9 @@ class CorrectedLM:
             logits = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits.cpu()
         nll, counted = token_nll(logits, input_ids, attention_mask, scored)
         agreeing = (logits[:, :-1].argmax(-1) == input_ids[:, 1:]) & counted
-        return [ContinuationScore(-float(row_nll), int(row_tokens), int(row_agreeing))
-                for row_nll, row_tokens, row_agreeing in zip(nll.sum(-1), counted.sum(-1), agreeing.sum(-1))]
+        return [ContinuationScore(-float(row_nll), int(row_tokens), int(row_agreeing), task)
+                for row_nll, row_tokens, row_agreeing, (task, _) in zip(nll.sum(-1), counted.sum(-1),
+                                                                        agreeing.sum(-1), applied)]
 
     @property
     def routes_in_prefill(self) -> bool:
