@@ -51,7 +51,9 @@ def write_config(tiny_family, folder: Path, name: str, learning_rate: float, ste
                      "steps": steps, "learning_rate": learning_rate},
         cluster={"executor": "in-process"}, evaluation={"score_limit": 0},
         tracking={"experiment": "live-loop", "registered_model": MODEL},
-        serve={"follow_alias": True, "alias_poll_s": POLL_S, "max_batch_size": 8,
+        # The clients' prompts are not the calibration rows, so they lie outside the router's envelopes: it routes
+        # them anyway, for routed requests to be captured under the router's pick.
+        serve={"follow_alias": True, "alias_poll_s": POLL_S, "max_batch_size": 8, "router_abstain_outside": False,
                "capture": {"enabled": True, "dir": str(folder / "traffic"), "flush_s": 0.5}})
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
