@@ -27,7 +27,6 @@ from darts_dist.config import (
     updated,
 )
 from darts_dist.errors import DartsError
-from darts_dist.evaluate.tables import evaluation_tables, retention_line
 from darts_dist.logs import VERBOSE_ENV, init_ray, keep_local_ray_on_loopback, quiet_library_progress, show_progress_logs
 from darts_dist.options import add_config_flags, apply_config_flags
 from darts_dist.redaction import redacted
@@ -63,6 +62,12 @@ def print_tables(tables: Sequence[tuple[str, Sequence[str], Sequence[Sequence[st
         for row in rows:
             table.add_row(*row)
         console.print(table)
+
+
+def print_evaluation(title: str, evaluation: dict) -> None:
+    from darts_dist.evaluate.tables import evaluation_tables  # imports torch: only once an evaluation ran
+
+    print_tables(evaluation_tables(title, evaluation))
 
 
 @contextmanager
@@ -191,8 +196,7 @@ def _calibrate(config: RunConfig, args: argparse.Namespace, command: str, notes:
         _print_products(state.report)
         # The registry's alias moves on held-out results, so evaluate whenever there is held-out data.
         if has_heldout(state):
-            print_tables(evaluation_tables(f"{config.name}: held-out, merged vs. corrected",
-                                           run_evaluation(state, corrections)))
+            print_evaluation(f"{config.name}: held-out, merged vs. corrected", run_evaluation(state, corrections))
         with state.timed("registration"):
             register_calibration(state)
         _print_registration(state)
@@ -213,8 +217,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     check_run(config, ("evaluation",))
     with _session(config.tracking, config.name, "evaluate") as tracking:
         state = prepare(config, tracking)
-        print_tables(evaluation_tables(f"{config.name}: held-out, merged vs. corrected",
-                                       run_evaluation(state, corrections)))
+        print_evaluation(f"{config.name}: held-out, merged vs. corrected", run_evaluation(state, corrections))
         _finish(state.report, args.report, config.run_dir / "evaluation.json", tracking)
 
 
@@ -250,7 +253,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
         corrections = run_calibration(state)
         _print_products(state.report)
         evaluation = run_evaluation(state, corrections)
-        print_tables(evaluation_tables(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation))
+        print_evaluation(f"darts-dist demo ({name}): held-out, merged vs. DARTS", evaluation)
+        from darts_dist.evaluate.tables import retention_line
+
         if (retained := retention_line(evaluation)) is not None:
             console.print(retained)
         if not args.tiny:  # the shipped experts' documented scores: does this machine reproduce them?

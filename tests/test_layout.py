@@ -120,3 +120,16 @@ def test_serving_imports_neither_the_demo_nor_datasets() -> None:
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_command_line_answers_help_and_validate_without_the_ml_stack() -> None:
+    """`darts-dist --help`, `validate` and a job's bad arguments load no torch, transformers, Ray or MLflow (seconds of
+    imports each): the commands import them when they run."""
+    probe = ("import json, sys\n"
+             "import darts_dist.cli\n"
+             "heavy = ('torch', 'transformers', 'ray', 'mlflow', 'datasets', 'mergekit', 'deepspeed', 'scipy')\n"
+             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in heavy)))\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+
