@@ -17,6 +17,7 @@ from darts_dist.errors import DartsError
 from darts_dist.sources.demo.tiny import FamilyShape, build_tiny_tokenizer, make_tiny_family
 from darts_dist.plan.shapes import BUNDLED_CONFIG
 from darts_dist.sources.models import (
+    gguf_progress,
     BUNDLED_MODEL,
     BUNDLED_TOKENIZER,
     ModelInfo,
@@ -287,3 +288,29 @@ def test_thin_references_name_a_shape_and_a_task():
     for reference in ("thin:llama3-8b", "thin:llama2-7b/poetry"):
         with pytest.raises(DartsError, match="thin:mistral-7b/code"):
             resolve_model(reference)
+
+
+def test_a_gguf_loads_with_darts_dists_progress_lines_outside_a_terminal(tiny_family, tmp_path, capfd) -> None:
+    """The bundled model's conversion reads its GGUF with transformers' loader, whose plain tqdm bar would put one
+    line of redraws thousands of characters long in a log: with darts-dist's bar swapped in, short lines."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint
+
+    model = load_causal_lm(tiny_family.base)
+    weights = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    for gguf_name, name in get_gguf_hf_weights_map(model, TensorProcessor()).items():
+        if name in weights:
+            writer.add_tensor(gguf_name, weights.pop(name))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    capfd.readouterr()
+    with gguf_progress():
+        loaded = load_gguf_checkpoint(str(tmp_path / "tiny.gguf"), return_tensors=True, model_to_load=model)
+    err = capfd.readouterr().err
+    assert len(loaded["tensors"]) == len(model.state_dict()) - len(weights)  # every tensor written came back
+    assert "Converting and de-quantizing GGUF tensors" in err and "\r" not in err
+    assert max(map(len, err.splitlines())) <= 300
+

