@@ -43,7 +43,7 @@ def naive_loop(config: RunConfig, sources: ResolvedSources, merged_dir) -> list[
         total = 0.0
         for index, task in enumerate(tasks):
             rows = data[task].subset(torch.randperm(len(data[task]), generator=generator)[: settings.batch_size])
-            targets, entropy = expert_targets(experts[task], rows.input_ids, rows.attention_mask, settings.layers)
+            targets, entropy, _ = expert_targets(experts[task], rows.input_ids, rows.attention_mask, settings.layers)
             batch = {
                 "attention_mask": rows.attention_mask, "response_mask": rows.response_mask,
                 "positions": mask_positions(rows.attention_mask), "entropy": entropy, "targets": targets,

@@ -94,6 +94,11 @@ PAPER_VARIANTS = tuple(VARIANTS)
 # as DARTS is; run when named.
 RANKED = {f"rank{rank}": rank for rank in (16, 64)}
 VARIANTS |= {name: (lambda settings, rank=rank: updated(settings, rank=rank)) for name, rank in RANKED.items()}
+# DARTS aimed at the answer too: the logit term beside the hidden states' L1 (calibration.logit_weight, 1 where the
+# config sets none); routed as DARTS, run when named.
+LOGITS = "darts+logits"
+VARIANTS[LOGITS] = lambda settings: settings if settings.logit_weight else updated(settings, logit_weight=1.0)
+ROUTED = ("darts", *RANKED, LOGITS)  # the variants the run's router serves, as DARTS
 # Variants built at run time from DARTS's: deep DARTS (every merge) needs the model's layers; the learned merge
 # coefficients (the headline merge only) replace the merge itself, starting from the run's task-arithmetic weights.
 # Naming COEFFICIENTS runs COEFFICIENTS_DARTS too.
@@ -214,7 +219,7 @@ def plan_ablation(
     merge_methods default: the config's method, then task_arithmetic and TIES; with tuning the
     validation fraction defaults to the config's, or 0.2 where the config holds none back. `variants`: names
     from VARIANTS and EXTENDED (default: the paper's and EXTENDED, or the paper's alone where `extended` is False;
-    the ranked ones, RANKED, only when named).
+    the ranked ones, RANKED, and LOGITS only when named).
     """
     try:
         request = AblationRequest(
@@ -281,13 +286,13 @@ class MergeSides:
 
 
 def task_side(index: int, ctx: Context, tune: bool, base_passes: list[bool] | None,
-              layers: Sequence[LayerKey]) -> TaskSide:
+              layers: Sequence[LayerKey], top_k: int = 0) -> TaskSide:
     """Load task `index`'s expert, run it over every set once (its hidden states at every layer some variant
-    reads), and let it go."""
+    reads, its `top_k` likeliest next tokens where a variant has a logit term), and let it go."""
     task, settings = ctx.config.tasks[index], ctx.config.calibration
     expert = load_causal_lm(ctx.sources.experts[task], dtype=ctx.dtype, device=ctx.device)
     data = tokenized(ctx.sources.data[task], task, "calibration", settings, ctx.evaluator.tokenizer)
-    features = collect_features(task, index, data, expert, None, layers, settings.batch_size, ctx.progress)
+    features = collect_features(task, index, data, expert, None, layers, settings.batch_size, ctx.progress, top_k)
     identity = ctx.evaluator.identity(ctx.sources.experts[task], ctx.dtype, ctx.device)
     side = TaskSide(calibration=data, features=features,
                     expert=ctx.evaluator.expert_side(index, expert, tune, base_passes, identity))
@@ -398,7 +403,8 @@ def _setup(plan: AblationPlan, progress: bool) -> Setup:
         needed |= {*(deep_layers if plan.deep else ()), *(fit_layers(aligned, num_layers) if plan.coefficients else ())}
     layers = [*sorted(k for k in needed if isinstance(k, int)), *(["final"] if "final" in needed else [])]
     base = base_side(evaluator, sources.base, ctx.dtype, device)
-    experts = [task_side(index, ctx, plan.trials > 0, base.passes.get(task), layers)
+    top_k = max((variant.logit_targets() for variant in plan.variants.values() if variant is not None), default=0)
+    experts = [task_side(index, ctx, plan.trials > 0, base.passes.get(task), layers, top_k)
                for index, task in enumerate(config.tasks)]
     return Setup(plan, ctx, vectors, deep_layers, experts)
 
@@ -430,7 +436,7 @@ def run_ablation(plan: AblationPlan, tracking: Tracking | None = None, progress:
         results = {}
         for name, variant in here.items():
             results[name] = _run_variant(name, variant, method, merged, merged_dir, sides, ctx, tracking, plan.seeds,
-                                         router if name == "darts" or name in RANKED else None)
+                                         router if name in ROUTED else None)
         if headline and plan.coefficients:
             results |= _coefficient_variants(plan, variants["darts"], setup.vectors, merged, sides, setup.experts, ctx,
                                              tracking)

@@ -622,8 +622,8 @@ def _ablation_commands(command: Command, demo: argparse.ArgumentParser) -> dict[
                        "no TALL or EMR)")
         p.add_argument("--variants", default=None, metavar="V1,V2",
                        help="only these of merged, surgery, entropy, position, darts, deep, coefficients, tall, emr, "
-                       "rank16, rank64 (DARTS at that rank) (default all but the ranked ones; deep DARTS and the "
-                       "learned coefficients need darts)")
+                       "rank16, rank64 (DARTS at that rank), darts+logits (DARTS with the logit term) (default all "
+                       "but the ranked ones and darts+logits; deep DARTS and the learned coefficients need darts)")
     sweep = command("merge-sweep", "score candidate merges on the validation split and name the best", cmd_merge_sweep)
     sweep.add_argument("config", type=Path)
     sweep.add_argument("--candidates", nargs="+", default=None, metavar="METHOD[:K=V,...]",

@@ -244,6 +244,12 @@ class CalibrationSection(_Section):
     position_rank: PositiveInt | None = None
     beta: float = Field(default=1.0, ge=0.0, le=1.0)
     weight_on: Literal["all", "response"] = "all"
+    # Weight of a term on the answer beside the hidden states' L1: per token KL(expert ‖ corrected) of the next-token
+    # distributions, over the expert's logit_top_k likeliest tokens and the rest of its mass (what its actor sends:
+    # 8 bytes a listed token, not a vocabulary's logits), weighted by w_t as the L1; the corrected distribution is the
+    # merged model's LM head on the corrected final state, so it needs "final" among the layers. 0: the paper's loss.
+    logit_weight: float = Field(default=0.0, ge=0.0)
+    logit_top_k: PositiveInt = 64
     tasks: dict[str, TaskCalibration] = Field(default_factory=dict)
     num_samples: PositiveInt = 128
     max_length: PositiveInt = 128
@@ -295,6 +301,18 @@ class CalibrationSection(_Section):
         if any(isinstance(layer, int) and layer < 0 for layer in layers):
             raise ValueError(f"decoder layer indices count from 0, got {layers}")
         return layers
+
+    @model_validator(mode="after")
+    def _logits_need_the_final_state(self) -> CalibrationSection:
+        if self.logit_weight and "final" not in self.layers:
+            raise ValueError(f"logit_weight {self.logit_weight} needs the corrected final state, which layers "
+                             f"{self.layers} lack: add final to calibration.layers, or set logit_weight to 0")
+        return self
+
+    def logit_targets(self) -> int:
+        """How many of each expert's likeliest next tokens travel with its rows: logit_top_k with a logit term, else
+        none."""
+        return self.logit_top_k if self.logit_weight else 0
 
     def loss_layers(self) -> list[Layer]:
         """The layers whose expert hidden states the loss reads: every surgery layer (loss_at every), or the last

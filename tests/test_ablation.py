@@ -301,11 +301,19 @@ def test_demo_ablate_reports_every_variant_and_the_router(tmp_path: Path, monkey
     assert main(["demo", "--tiny", "--tune", "2"]) == 2  # an ablation option without --ablate is refused
     assert "add --ablate" in capsys.readouterr().err
     report_path = tmp_path / "demo.json"
+    every = ["merged", "surgery", "entropy", "position", "darts", "deep", "coefficients", "tall", "emr", "darts+logits"]
     assert main(["demo", "--tiny", "--ablate", "--steps", "10", "--merge-methods", "task_arithmetic",
-                 "--score-limit", "0", "--output-dir", str(tmp_path / "runs"), "--report", str(report_path)]) == 0
+                 "--score-limit", "0", "--output-dir", str(tmp_path / "runs"), "--report", str(report_path),
+                 "--variants", ",".join(every)]) == 0
     report = json.loads(report_path.read_text())
-    assert list(report["variants"]) == ["merged", "surgery", "entropy", "position", "darts", "deep", "coefficients",
-                                        "coefficients+darts", "tall", "emr"]
+    assert list(report["variants"]) == ["merged", "surgery", "entropy", "position", "darts", "darts+logits", "deep",
+                                        "coefficients", "coefficients+darts", "tall", "emr"]
+    # DARTS with the logit term trained on the experts' streamed top tokens, and is served by the run's router.
+    logits = report["variants"]["darts+logits"]
+    assert logits["settings"]["logit_weight"] == 1.0 and logits["overall"]["bias_reduction"] > 0
+    assert logits["overall"]["bias_reduction"] != report["variants"]["darts"]["overall"]["bias_reduction"]
+    routes = logits["seed_runs"][0]["retention"]["corrected"]["routes"]
+    assert sum(routes.values()) == logits["seed_runs"][0]["retention"]["corrected"]["n"]
     assert set(report["variants"]["darts"]["tasks"]) == {"code", "math", "instruct"}
     assert report["variants"]["surgery"]["settings"]["steps"] == 10
     accuracy, per_task = router_accuracy_by_hand(report)
@@ -356,6 +364,11 @@ def test_variants_can_be_chosen() -> None:
     for name, rank in (("rank16", 16), ("rank64", 64)):
         assert plan.variants[name] == darts.model_copy(update={"rank": rank}) and darts.rank != rank
     assert not {"rank16", "rank64"} & set(plan_ablation(_config()).variants)
+    # DARTS with the logit term: weight 1 where the config sets none, the config's where it does; when named.
+    plan = plan_ablation(_config(), variants=["darts", "darts+logits"])
+    assert plan.variants["darts+logits"] == plan.variants["darts"].model_copy(update={"logit_weight": 1.0})
+    assert plan_ablation(_config({"logit_weight": 0.3}), variants=["darts+logits"]).variants["darts+logits"].logit_weight == 0.3
+    assert "darts+logits" not in plan_ablation(_config()).variants
     with pytest.raises(DartsError, match="unknown or repeated"):
         plan_ablation(_config(), variants=["merged", "dart"])
     with pytest.raises(DartsError, match="add darts"):

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from darts_dist.core.loss import entropy_weights, next_token_entropy, weighted_l1_loss
+from darts_dist.core.loss import entropy_weights, next_token_entropy, top_k_kl, top_k_log_probs, weighted_l1_loss
 
 
 def test_entropy_by_hand():
@@ -119,3 +119,59 @@ def test_loss_grad_and_dtype():
     assert loss.dtype == torch.float32
     loss.backward()
     assert a.grad is not None and a.grad.abs().sum() > 0
+
+
+def test_top_k_log_probs_are_the_likeliest_tokens_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 11)
+    values, ids = top_k_log_probs(logits, 4)
+    assert values.shape == ids.shape == (2, 3, 4) and values.dtype == torch.float32 and ids.dtype == torch.int32
+    full = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(values, full.gather(-1, ids.long()))
+    assert set(ids[1, 2].tolist()) == set(full[1, 2].argsort(descending=True)[:4].tolist())
+    bf16_values, bf16_ids = top_k_log_probs(logits.bfloat16(), 4)  # a bf16 expert: fp32 log-probs of its logits
+    assert bf16_values.dtype == torch.float32
+    torch.testing.assert_close(bf16_values, torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, bf16_ids.long()))
+
+
+def _kl_by_hand(expert_logits, logits, k):
+    """Per token: KL over the expert's k likeliest tokens and one bucket for the rest, with plain Python numbers."""
+    out = []
+    for e_row, m_row in zip(expert_logits.tolist(), logits.tolist()):
+        p = [math.exp(x) for x in e_row]
+        p = [x / sum(p) for x in p]
+        q = [math.exp(x) for x in m_row]
+        q = [x / sum(q) for x in q]
+        top = sorted(range(len(p)), key=lambda i: -p[i])[:k]
+        kl = sum(p[i] * math.log(p[i] / q[i]) for i in top)
+        p_rest, q_rest = 1 - sum(p[i] for i in top), 1 - sum(q[i] for i in top)
+        out.append(kl + (p_rest * math.log(p_rest / q_rest) if p_rest > 0 else 0.0))
+    return out
+
+
+def test_top_k_kl_by_hand_weighted_and_masked():
+    torch.manual_seed(1)
+    expert, model = torch.randn(1, 5, 9) * 2, torch.randn(1, 5, 9)
+    top = top_k_log_probs(expert, 3)
+    per_token = _kl_by_hand(expert[0], model[0], 3)
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    weights = torch.tensor([[0.5, 1.0, 2.0, 1.5, 9.0]])
+    expected = sum(w * kl for w, kl in zip([0.5, 1.0, 2.0, 1.5], per_token)) / 5.0
+    assert abs(top_k_kl(model, *top, mask, weights).item() - expected) < 1e-5
+    assert abs(top_k_kl(model, *top, mask).item() - sum(per_token[:4]) / 4) < 1e-5
+
+
+def test_top_k_kl_over_the_whole_vocabulary_is_the_kl_and_zero_at_the_target():
+    torch.manual_seed(2)
+    expert, model = torch.randn(2, 4, 7), torch.randn(2, 4, 7)
+    mask = torch.ones(2, 4)
+    full = torch.nn.functional.kl_div(torch.log_softmax(model, -1), torch.log_softmax(expert, -1), log_target=True,
+                                      reduction="none").sum(-1).mean()
+    torch.testing.assert_close(top_k_kl(model, *top_k_log_probs(expert, 7), mask), full, atol=1e-5, rtol=1e-4)
+    assert abs(top_k_kl(expert, *top_k_log_probs(expert, 3), mask).item()) < 1e-6
+    # Its gradient pulls the model's logits toward the expert's, finite even where the top k hold all of q.
+    logits = model.clone().requires_grad_()
+    top_k_kl(logits, *top_k_log_probs(expert, 7), mask).backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad.abs().sum() > 0
+    assert top_k_kl(model.bfloat16(), *top_k_log_probs(expert, 3), mask).dtype == torch.float32
+

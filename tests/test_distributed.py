@@ -80,8 +80,10 @@ def checkpoints(config) -> list[Path]:
 
 
 # Deep DARTS with the loss at the last corrected layer only: rows keep the merged states entering layer 2 and
-# steps run from there. The disturbed run trains these, so that one Ray run checks the resume and deep DARTS.
-DEEP = {"layers": [2, 3, "final"], "loss_at": "last", "learning_rate": 0.001}
+# steps run from there; with the logit term, the experts stream their likeliest next tokens beside (weighted to
+# count: the tiny models' distributions are near uniform, their KL ~1e-6). The disturbed run trains these, so
+# that one Ray run checks the resume, deep DARTS and the logit term.
+DEEP = {"layers": [2, 3, "final"], "loss_at": "last", "learning_rate": 0.001, "logit_weight": 1e4, "logit_top_k": 8}
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +110,10 @@ def test_a_lost_worker_resumes_from_its_last_checkpoint(disturbed) -> None:
 
 
 @pytest.mark.slow
-def test_one_worker_zero0_equals_the_in_process_loop_a_lost_worker_included(disturbed) -> None:
+def test_one_worker_zero0_equals_the_in_process_loop_a_lost_worker_included(disturbed, tiny_family, tmp_path) -> None:
     """The resumed run trains exactly what the reference does: checkpoints restore the corrections, the
-    optimizer and the step schedule; deep corrections train from their lowest layer as in-process."""
+    optimizer and the step schedule; deep corrections train from their lowest layer as in-process, with the logit
+    term from the streamed top tokens as in-process from the experts' own logits."""
     config, ray_outcome, reference = disturbed
     assert ray_outcome.result.corrections.layer_keys == (2, 3, "final")
     assert ray_outcome.job["stream"]["bytes"] > 0
@@ -123,6 +126,10 @@ def test_one_worker_zero0_equals_the_in_process_loop_a_lost_worker_included(dist
                                atol=SAME_CORRECTIONS_ATOL, rtol=0)
     for task in TASKS:  # the entropy weights the experts streamed are the ones the reference computed
         torch.testing.assert_close(ray_outcome.entropy_weights[task], reference.entropy_weights[task])
+    # The logit term is in what both trained: without it the same schedule gives other losses.
+    without = calibrate_stage(make_config(tiny_family, tmp_path / "l1", calibration=DEEP | {"logit_weight": 0.0}),
+                              resolve_sources(config), tiny_family.base)
+    assert reference.result.losses[0] > without.result.losses[0] + 1e-3
 
 
 @pytest.mark.slow

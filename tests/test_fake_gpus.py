@@ -106,11 +106,12 @@ BIAS_REDUCTION_TOLERANCE = 0.05
 def calibrated(ray_cluster, tiny_family, tmp_path_factory):
     """The module's one calibration (each costs about a minute here): two experts and two training ranks at ZeRO-3,
     the 4 GPUs' worth of one-GPU roles (the 7B examples': a GPU per expert and per worker), on RegMean's merge, in
-    bf16, correcting two layers, every expert actor lost after its first batch; its config, report, the job's
-    result, and the models the driver loaded meanwhile."""
+    bf16, correcting two layers with the logit term (the partitioned LM head gathered for it), every expert actor
+    lost after its first batch; its config, report, the job's result, and the models the driver loaded meanwhile."""
     out = tmp_path_factory.mktemp("gpus")
     config = gpu_config(tiny_family, out, tasks=GPU_TASKS, workers=2, zero_stage=3, merge="regmean",
-                        calibration={"layers": [1, "final"], "num_samples": SAMPLES, "learning_rate": 1e-3, "steps": 30})
+                        calibration={"layers": [1, "final"], "num_samples": SAMPLES, "learning_rate": 1e-3, "steps": 30,
+                                     "logit_weight": 0.5, "logit_top_k": 8})
     report = out / "report.json"
     jobs: list[job_module.JobResult] = []
     real_job = job_module.run_calibration_job
@@ -158,6 +159,7 @@ def test_one_gpu_roles_take_distinct_gpus_two_ranks_never_share_one_and_the_driv
     assert {"Gram actor (math)", "calibration worker", "router", "evaluation actor (merged)", "evaluation actor (base)",
             "registration check"} <= set(result["compute"])
     assert result["config"]["calibration"]["dtype"] == "bfloat16" and result["config"]["cluster"]["zero_stage"] == 3
+    assert result["config"]["calibration"]["logit_weight"] == 0.5
     assert result["calibration"]["final_loss"] < result["calibration"]["first_loss"]
     # Held out, the bf16 corrections remove most of the merge's bias (0.70 measured; the NLL moves by less than
     # bf16's rounding at this size, so the bias is the measure here).

@@ -110,26 +110,25 @@ def test_the_import_paths_stored_artifacts_use_still_import() -> None:
     assert callable(app_builder)
 
 
-def test_serving_imports_neither_the_demo_nor_datasets() -> None:
-    """The Serve app's and the pyfunc model's modules, imported in a fresh process."""
-    probe = ("import json, sys\n"
-             "import darts_dist.serve, darts_dist.tracking.pyfunc_model\n"
-             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'datasets'"
-             " or m.startswith(('darts_dist.sources.demo', 'darts_dist.sources.data', 'darts_dist.sources.references',"
-             " 'darts_dist.pipeline', 'darts_dist.ablation')))))\n")
+def modules_a_fresh_process_loads(imports: str, selected: str) -> list[str]:
+    """The modules in sys.modules for which `selected` (an expression of `m`) holds, after `imports` (a statement)
+    in a fresh process."""
+    probe = f"import json, sys\n{imports}\nprint(json.dumps(sorted(m for m in sys.modules if {selected})))\n"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_serving_imports_neither_the_demo_nor_datasets() -> None:
+    """The Serve app's and the pyfunc model's modules, imported in a fresh process."""
+    assert modules_a_fresh_process_loads(
+        "import darts_dist.serve, darts_dist.tracking.pyfunc_model",
+        "m.split('.')[0] == 'datasets' or m.startswith(('darts_dist.sources.demo', 'darts_dist.sources.data', "
+        "'darts_dist.sources.references', 'darts_dist.pipeline', 'darts_dist.ablation'))") == []
 
 
 def test_the_command_line_answers_help_and_validate_without_the_ml_stack() -> None:
     """`darts-dist --help`, `validate` and a job's bad arguments load no torch, transformers, Ray or MLflow (seconds of
     imports each): the commands import them when they run."""
-    probe = ("import json, sys\n"
-             "import darts_dist.cli\n"
-             "heavy = ('torch', 'transformers', 'ray', 'mlflow', 'datasets', 'mergekit', 'deepspeed', 'scipy')\n"
-             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in heavy)))\n")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == []
-
+    heavy = ("torch", "transformers", "ray", "mlflow", "datasets", "mergekit", "deepspeed", "scipy")
+    assert modules_a_fresh_process_loads("import darts_dist.cli", f"m.split('.')[0] in {heavy!r}") == []

@@ -60,7 +60,7 @@ def test_expert_actor_rows_are_the_experts_targets_on_real_tokens(tiny_family, c
     batch = {name: _column([row[name] for row in rows]) for name in rows[0]}
     out = actor(batch)
     expert = load_causal_lm(tiny_family.experts["code"])
-    hidden, entropy = expert_targets(expert, code_set.input_ids, code_set.attention_mask, layers)
+    hidden, entropy, _ = expert_targets(expert, code_set.input_ids, code_set.attention_mask, layers)
     assert list(out["row"]) == list(range(7))
     for i, length in enumerate(code_set.attention_mask.sum(dim=1).tolist()):
         assert out["entropy"][i].shape == (length,)

@@ -20,19 +20,22 @@ from darts_dist.core import (
     mask_positions,
     merged_hidden,
     next_token_entropy,
+    top_k_log_probs,
 )
 from darts_dist.logs import progress_bar
 
 
 @torch.no_grad()
 def expert_targets(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey]
-) -> tuple[dict[LayerKey, torch.Tensor], torch.Tensor]:
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[LayerKey],
+    top_k: int = 0,
+) -> tuple[dict[LayerKey, torch.Tensor], torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Expert k's hidden states at each surgery layer, in its compute dtype (they are upcast where they are used,
-    `TaskFeatures.rows`, not before they travel), and its next-token entropy H_t (fp32)."""
+    `TaskFeatures.rows`, not before they travel), its next-token entropy H_t (fp32), and with `top_k` its top_k
+    likeliest next tokens' log-probabilities (fp32) and ids (int32), the logit term's targets (else None)."""
     with capture_hidden(model, layers) as hidden:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    return dict(hidden), next_token_entropy(logits)
+    return dict(hidden), next_token_entropy(logits), top_k_log_probs(logits, top_k) if top_k else None
 
 
 HOST = torch.device("cpu")
@@ -72,6 +75,10 @@ class TaskFeatures:
     # Training through the model from its lowest corrected decoder layer: the trained model's hidden states
     # entering that layer ([N, S, d]), so the layers below run once, not at every step.
     start_hidden: torch.Tensor | None = None
+    # The logit term's targets: the expert's likeliest next tokens' log-probabilities (fp32) and ids (int32),
+    # [N, S, k] each (or `Ragged` rows, as the hidden states may be); None without one.
+    top_log_p: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -99,6 +106,8 @@ class TaskFeatures:
             "targets": {k: hidden(v) for k, v in self.targets.items()},
             "merged": {k: hidden(v) for k, v in self.merged.items()},
             "start_hidden": None if self.start_hidden is None else hidden(self.start_hidden),
+            "top_log_p": None if self.top_log_p is None else onto(self.top_log_p[index][:, cut], device).float(),
+            "top_ids": None if self.top_ids is None else onto(self.top_ids[index][:, cut], device),
         }
 
 
@@ -132,17 +141,22 @@ def collect_features(
     layers: Sequence[LayerKey],
     batch_size: int,
     progress: bool = True,
+    top_k: int = 0,
 ) -> TaskFeatures:
-    """Run expert k (and, in feature mode, the merged model) once over task k's calibration set."""
+    """Run expert k (and, in feature mode, the merged model) once over task k's calibration set; with `top_k`, keep
+    its likeliest next tokens for the logit term (`CalibrationSection.logit_targets`)."""
     device = next(expert.parameters()).device
     targets: dict[LayerKey, list[torch.Tensor]] = {k: [] for k in layers}
-    entropies = []
+    entropies, top_log_p, top_ids = [], [], []
     batches = list(data.batches(batch_size))
     for batch in progress_bar(batches, desc=f"features {task}", unit="batch", disable=not progress):
         ids = batch["input_ids"].to(device)
         mask = batch["attention_mask"].to(device)
-        hidden, entropy = expert_targets(expert, ids, mask, layers)
+        hidden, entropy, top = expert_targets(expert, ids, mask, layers, top_k)
         entropies.append(entropy.cpu())
+        if top is not None:
+            top_log_p.append(top[0].cpu())
+            top_ids.append(top[1].cpu())
         for k in layers:
             targets[k].append(hidden[k].cpu())
     length = data.input_ids.shape[1]
@@ -157,6 +171,8 @@ def collect_features(
         entropy=_pad_cat(entropies, length),
         targets={k: _pad_cat(v, length) for k, v in targets.items()},
         merged={} if merged is None else collect_merged(task, data, merged, layers, batch_size, progress),
+        top_log_p=_pad_cat(top_log_p, length) if top_k else None,
+        top_ids=_pad_cat(top_ids, length) if top_k else None,
     )
 
 

@@ -48,7 +48,8 @@ def calibrate_stage(
         expert = load_causal_lm(sources.experts[task], dtype=dtype, device=device)
         merged_for_features = merged if features_only(settings.layers) else None
         features.append(
-            collect_features(task, index, data, expert, merged_for_features, settings.loss_layers(), settings.batch_size)
+            collect_features(task, index, data, expert, merged_for_features, settings.loss_layers(), settings.batch_size,
+                             top_k=settings.logit_targets())
         )
         del expert
         gc.collect()

@@ -25,6 +25,7 @@ from darts_dist.core import (
     first_decoder_layer,
     one_hot_tasks,
     run_from,
+    top_k_kl,
     weighted_l1_loss,
 )
 from darts_dist.logs import progress_bar
@@ -60,9 +61,13 @@ def calibration_loss(
     weight_on: str,
     merged_model: PreTrainedModel | None = None,
     handle=None,
+    logit_weight: float = 0.0,
+    head: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """The entropy-weighted L1 loss of one task's minibatch, summed over the layers it has targets at
-    (`CalibrationSection.loss_layers`: every surgery layer, or the last one).
+    (`CalibrationSection.loss_layers`: every surgery layer, or the last one); with `logit_weight`, plus that times
+    the w_t-weighted KL(expert ‖ corrected) of the next-token distributions (`top_k_kl`), the corrected one from
+    `head` (the merged model's LM head) on the corrected final state.
 
     In feature mode the final correction is applied to the stored h^m; otherwise the merged
     model runs with the corrections hooked in (`handle`, record=True) so gradients flow
@@ -90,6 +95,13 @@ def calibration_loss(
     for k in targets:
         target = targets[k].to(corrected[k].device)
         loss = loss + weighted_l1_loss(corrected[k].float(), target, mask.to(target.device), weights.to(target.device))
+    if logit_weight:
+        final = corrected["final"]
+        # The head computes in its own dtype, as the served model's does; the KL upcasts its logits.
+        logits = head(final.to(next(head.parameters()).dtype))
+        device = logits.device
+        loss = loss + logit_weight * top_k_kl(logits, rows["top_log_p"].to(device), rows["top_ids"].to(device),
+                                              mask.to(device), weights.to(device))
     return loss
 
 
@@ -119,6 +131,7 @@ def calibrate_in_process(
     merged_model: PreTrainedModel | None = None,
     progress: bool = True,
     on_step: StepCallback | None = None,
+    head: torch.nn.Module | None = None,
 ) -> CalibrationResult:
     """The reference loop: each Adam step takes one random minibatch of every task.
 
@@ -128,6 +141,8 @@ def calibrate_in_process(
     """
     if not features_only(corrections.layer_keys) and merged_model is None:
         raise ValueError("surgery at decoder layers trains through the merged model: pass merged_model")
+    if settings.logit_weight and head is None:
+        raise ValueError("the logit term needs the merged model's LM head: pass head")
     generator = torch.Generator().manual_seed(settings.seed)
     device = next(corrections.parameters()).device  # where the minibatches go: the corrections' device
     optimizer = torch.optim.Adam(corrections.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
@@ -153,6 +168,8 @@ def calibrate_in_process(
                     settings.weight_on_for(task.task),
                     merged_model=None if handle is None else merged_model,
                     handle=handle,
+                    logit_weight=settings.logit_weight,
+                    head=head,
                 )
                 loss.backward()
                 total = total + loss.detach().cpu()
@@ -185,5 +202,5 @@ def train_corrections(
         features = [with_start_hidden(task, merged_model, start, settings.batch_size) for task in features]
     return calibrate_in_process(
         features, corrections, settings, merged_model=None if features_only(settings.layers) else merged_model,
-        progress=progress, on_step=on_step,
+        progress=progress, on_step=on_step, head=merged_model.get_output_embeddings(),
     )

@@ -27,7 +27,7 @@ from darts_dist.core.hooks import (
     token_positions,
 )
 from darts_dist.core.io import FORMAT_VERSION, load_corrections, read_header, save_corrections
-from darts_dist.core.loss import entropy_weights, next_token_entropy, weighted_l1_loss
+from darts_dist.core.loss import entropy_weights, next_token_entropy, top_k_kl, top_k_log_probs, weighted_l1_loss
 from darts_dist.core.metrics import (
     BUCKET_LABELS,
     POSITION_BUCKETS,
@@ -100,5 +100,7 @@ __all__ = [
     "token_bias",
     "token_nll",
     "token_positions",
+    "top_k_kl",
+    "top_k_log_probs",
     "weighted_l1_loss",
 ]

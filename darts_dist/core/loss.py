@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -56,3 +58,52 @@ def weighted_l1_loss(corrected: Tensor, target: Tensor, mask: Tensor, weights: T
     # torch.where, not a product: hidden states at padding may be garbage (inf, NaN).
     total = torch.where(mask, l1 * m, 0.0).sum()
     return total / (d * m.sum()).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def top_k_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k most likely next tokens at every position: their log-probabilities (fp32 [B, S, k]) and ids (int32).
+
+    What an expert sends for the logit-level loss instead of its logits (a vocabulary's worth a token): with the mass
+    they leave over, a distribution over k + 1 outcomes. One sequence at a time, as `next_token_entropy`.
+    """
+    values, ids = [], []
+    for row in logits:
+        top = torch.log_softmax(row.float(), dim=-1).topk(min(k, row.shape[-1]), dim=-1)
+        values.append(top.values)
+        ids.append(top.indices.int())
+    if not values:
+        empty = logits.new_zeros((*logits.shape[:2], min(k, logits.shape[-1])))
+        return empty.float(), empty.int()
+    return torch.stack(values), torch.stack(ids)
+
+
+# The least mass the rest bucket holds: a sum of fp32 probabilities is only good to about 1e-7 anyway, and the floor
+# keeps log q_rest and its gradient finite where the listed tokens hold (nearly) all of q.
+REST_FLOOR = 1e-6
+
+
+def _log_rest(log_p: Tensor) -> Tensor:
+    """log(1 − Σ_i p_i) over the last axis, the log of the mass outside the listed tokens, at least log REST_FLOOR."""
+    total = torch.logsumexp(log_p, dim=-1).clamp_max(math.log1p(-REST_FLOOR))
+    return torch.log(-torch.expm1(total))  # log(1 − e^x), accurate near both ends
+
+
+def top_k_kl(logits: Tensor, top_log_p: Tensor, top_ids: Tensor, mask: Tensor, weights: Tensor | None = None) -> Tensor:
+    """KL(p ‖ q) per token between the expert's p, known on its top k tokens and their rest, and the model's q of
+    `logits`, both taken over those k tokens and one bucket for the rest; its masked mean, weighted by w_t as the
+    L1 is (fp32 scalar):
+
+        KL_t = Σ_i p_i (log p_i − log q_i) + p_rest (log p_rest − log q_rest).
+
+    With k the vocabulary size, the full KL(p ‖ q) (up to REST_FLOOR). Gradients reach `logits` only.
+    """
+    mask = mask.bool()
+    log_q_all = torch.log_softmax(logits.float(), dim=-1)
+    log_q = log_q_all.gather(-1, top_ids.long())
+    log_p = top_log_p.float()
+    p = log_p.exp()
+    log_p_rest, log_q_rest = _log_rest(log_p), _log_rest(log_q)
+    kl = (p * (log_p - log_q)).sum(-1) + log_p_rest.exp() * (log_p_rest - log_q_rest)
+    m = mask.float() if weights is None else torch.where(mask, weights.float(), 0.0)
+    total = torch.where(mask, kl * m, 0.0).sum()
+    return total / m.sum().clamp_min(torch.finfo(torch.float32).tiny)

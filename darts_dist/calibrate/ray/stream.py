@@ -4,7 +4,8 @@ A row is one calibration sample, cut to its real length: `task`, `row` (its inde
 calibration set, so that "every row exactly once" can be checked), `node`, `gpus`, `memory` and `compute` (the
 Ray node of the expert actor that made it, its GPU ids, its peak memory so far, its device and dtype), `input_ids`,
 `attention_mask`, `response_mask`, `entropy` (H_t, fp32: one scalar per token) and
-`target.<layer>` (h^k at each layer the loss reads: `CalibrationSection.loss_layers`). Hidden states travel in
+`target.<layer>` (h^k at each layer the loss reads: `CalibrationSection.loss_layers`), and with a logit term
+`top_log_p` and `top_ids` (`TOP_FIELDS`). Hidden states travel in
 `calibration.wire_dtype` (`CalibrationSection.wire_dtype_for`: the compute dtype, bf16 for fp32 CPU experts of wide models;
 bf16, which numpy lacks, as its raw 16 bits), cast on the expert's device and copied off a GPU through pinned memory.
 
@@ -46,6 +47,8 @@ TOKEN_FIELDS = ("input_ids", "attention_mask", "response_mask")
 WIRE_DTYPES = {"input_ids": np.int32, "attention_mask": np.bool_, "response_mask": np.bool_}
 STORED_DTYPES = {"input_ids": np.int64, "attention_mask": np.int64, "response_mask": np.bool_}  # TokenizedSet's
 Batch = dict[str, np.ndarray]  # a batch of rows as Ray Data hands it over: one array per column
+# The logit term's columns ([L, k] a row): the expert's likeliest next tokens' log-probabilities (fp32) and ids (int32).
+TOP_FIELDS = ("top_log_p", "top_ids")
 
 
 def target_column(layer: LayerKey) -> str:
@@ -117,6 +120,7 @@ class ExpertStream:
         cpu: tuple[CpuSchedule, int] | None = None,
         window: ActorHandle | None = None,
         wire_dtype: str = "auto",
+        top_k: int = 0,
     ) -> None:
         from darts_dist.logs import show_progress_logs
 
@@ -124,6 +128,7 @@ class ExpertStream:
         self.torch = TorchThread("expert")  # Ray calls __call__ from another thread than this constructor's
         self.torch.run(self._load, model_path, dtype, device, cpu, wire_dtype)
         self.layers = list(layers)
+        self.top_k = top_k  # the logit term's targets: this many likeliest next tokens a position (0: none)
         self.fail_after_batches = fail_after_batches
         self.window = window  # the job's StreamWindow: a batch waits until its tokens fit in its task's window
         self.batches = 0
@@ -173,10 +178,12 @@ class ExpertStream:
         ids = token_column(batch["input_ids"]).to(self.device)
         mask = token_column(batch["attention_mask"]).to(self.device)
         with self.turn:
-            hidden, entropy = expert_targets(self.model, ids, mask, self.layers)
+            hidden, entropy, top = expert_targets(self.model, ids, mask, self.layers, self.top_k)
         rows = {"memory": np.full(len(lengths), self.memory.peak(), dtype=np.int64),
                 "compute": np.full(len(lengths), self.compute, dtype=object),
                 "entropy": _ragged(entropy.cpu().numpy(), lengths)}
+        if top is not None:
+            rows.update({name: _ragged(values.cpu().numpy(), lengths) for name, values in zip(TOP_FIELDS, top)})
         for layer in self.layers:
             rows[target_column(layer)] = _ragged(to_wire(hidden[layer], self.wire_dtype), lengths)
         return rows
@@ -223,6 +230,7 @@ def expert_stream(
             "cpu": (cluster.cpu_schedule, actors_per_node),
             "window": window,
             "wire_dtype": settings.wire_dtype,
+            "top_k": settings.logit_targets(),
         },
         batch_size=settings.batch_size,
         compute=ray.data.ActorPoolStrategy(size=1),

@@ -33,7 +33,7 @@ from darts_dist.calibrate.features import TaskFeatures
 from darts_dist.calibrate.loop import StepCallback, build_corrections, calibration_loss, step_minibatches
 from darts_dist.calibrate.ray.checkpoint_state import PROGRESS_FILE, TrainState, write_manifest
 from darts_dist.calibrate.ray.feature_store import FeatureStore
-from darts_dist.calibrate.ray.stream import Batch, stored_tokens, target_column, to_wire, token_column
+from darts_dist.calibrate.ray.stream import TOP_FIELDS, Batch, stored_tokens, target_column, to_wire, token_column
 from darts_dist.config import CalibrationSection
 from darts_dist.core import (
     DartsCorrections,
@@ -119,6 +119,8 @@ class CalibrationModule(nn.Module):
                 self.settings.weight_on_for(task),
                 merged_model=None if self.handle is None else self.merged,
                 handle=self.handle,
+                logit_weight=self.settings.logit_weight,
+                head=self.merged.get_output_embeddings(),
             )
         return loss
 
@@ -283,7 +285,8 @@ def _keep_rows(store: FeatureStore, task: str, batch: dict[str, np.ndarray], kep
     received = 0
     for i, row in enumerate(batch["row"]):
         length = len(batch["input_ids"][i])
-        arrays = {**stored_tokens(batch, i), "entropy": batch["entropy"][i]}
+        arrays = {**stored_tokens(batch, i), "entropy": batch["entropy"][i],
+                  **{name: batch[name][i] for name in TOP_FIELDS if name in batch}}
         for layer in settings.loss_layers():
             received += batch[target_column(layer)][i].nbytes
             arrays[target_column(layer)] = batch[target_column(layer)][i]
@@ -316,6 +319,8 @@ def task_features(store: FeatureStore, task: str, index: int, settings: Calibrat
         targets={layer: arrays[target_column(layer)] for layer in settings.loss_layers()},
         merged={layer: arrays[merged_column(layer)] for layer in settings.layers if merged_column(layer) in arrays},
         start_hidden=arrays.get(START_COLUMN),
+        # Kept as stored, as the hidden states are: k values a token is far more than the per-token fields above.
+        **{name: arrays[name] for name in TOP_FIELDS if name in arrays},
     )
 
 
