@@ -314,6 +314,11 @@ class CalibrationSection(_Section):
         none."""
         return self.logit_top_k if self.logit_weight else 0
 
+    def logit_target_bytes(self) -> int:
+        """What a token's logit targets take on the wire and in the feature store: an fp32 log-probability and an
+        int32 id per listed token."""
+        return 8 * self.logit_targets()
+
     def loss_layers(self) -> list[Layer]:
         """The layers whose expert hidden states the loss reads: every surgery layer (loss_at every), or the last
         one only, "final" if corrected there, else the highest decoder layer (loss_at last)."""

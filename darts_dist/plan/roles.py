@@ -149,14 +149,17 @@ def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged:
     workers = cluster.num_workers
     rows = len(config.tasks) * c.num_samples / workers
     wire = 4 if c.wire_dtype_for(d, cluster.use_gpu) == "float32" else 2
-    per_token = TOKEN_ROW_BYTES + 4 + (loss_layers + 1) * d * wire  # + entropy, targets and the merged state
+    # + entropy, targets, the merged state and the logit term's top tokens
+    per_token = TOKEN_ROW_BYTES + 4 + (loss_layers + 1) * d * wire + c.logit_target_bytes()
     trained = correction_parameters(config, merged)
     share = workers if cluster.zero_stage == 3 else 1  # ZeRO-3 partitions the frozen model and the optimizer
     weights = merged.weight_bytes(dtype)
     held = {"weights": weights // share + trained * 4,
             "optimizer": trained * (ADAM_BYTES - 4) // (workers if cluster.zero_stage >= 1 else 1)}
     work = {"feature store": min(int(rows * S * per_token), cluster.feature_memory_mb << 20),
-            "activations": _forward(merged, B, S, item) + (loss_layers + 2) * B * S * d * 4}
+            "activations": _forward(merged, B, S, item) + (loss_layers + 2) * B * S * d * 4
+            # the logit term: the head's fp32 logits of a minibatch, their log-softmax and its gradient
+            + (3 * B * S * merged.vocab_size * 4 if c.logit_weight else 0)}
     cast = _cast_on_load(config.merge.dtype, dtype, cluster.use_gpu, merged)
     if share == 1 and not cast:
         roles.append(Role("calibration worker", "calibration", workers, worker_bundle(cluster), held | work))

@@ -237,11 +237,11 @@ def _read_checkpoint(
 
 def stream_window_tokens(plan: JobPlan) -> int:
     """Tokens a task's expert may have in flight: `cluster.stream_buffer_mb` of its rows' hidden states (as they
-    travel: `calibration.wire_dtype`) and entropies."""
+    travel: `calibration.wire_dtype`), entropies and logit targets."""
     settings = plan.settings
     hidden = read_model_info(plan.merged_dir).hidden_size
     wire_bytes = 4 if settings.wire_dtype_for(hidden, plan.cluster.use_gpu) == "float32" else 2
-    token_bytes = hidden * wire_bytes * len(settings.loss_layers()) + 4
+    token_bytes = hidden * wire_bytes * len(settings.loss_layers()) + 4 + settings.logit_target_bytes()
     lengths = [data.attention_mask.sum(dim=1).tolist() for data in plan.data.values()]
     return window_tokens(plan.cluster.stream_buffer_mb, token_bytes, lengths, settings.batch_size,
                          plan.cluster.num_workers)
