@@ -133,14 +133,19 @@ def test_transformers_alone_loads_the_copied_folder_and_answers_as_darts_dist(ru
     lm.close()
 
 
-def test_the_tokenizer_and_the_config_load_without_remote_code_a_question_or_a_warning(exported: Path) -> None:
+def test_the_tokenizer_and_the_config_load_without_remote_code_a_question_or_a_warning(exported: Path,
+                                                                                       tmp_path: Path) -> None:
     """config.json keeps the merged model's type: AutoTokenizer (which reads the config first) asks nothing and warns
-    nothing; without trust_remote_code, AutoModelForCausalLM is the plain merge (as the docs say)."""
-    script = ("import sys\nfrom transformers import AutoConfig, AutoTokenizer\n"
+    nothing, where only torch, transformers and safetensors are installed; without trust_remote_code,
+    AutoModelForCausalLM is the plain merge (as the docs say)."""
+    script = ("import importlib.util, sys\nassert importlib.util.find_spec('darts_dist') is None\n"
+              "from transformers import AutoConfig, AutoTokenizer\n"
               "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])\nconfig = AutoConfig.from_pretrained(sys.argv[1])\n"
               "print(type(tokenizer).__name__, config.model_type, config.architectures[0], config.darts['tasks'])")
-    result = subprocess.run([sys.executable, "-c", script, str(exported)], stdin=subprocess.DEVNULL,
-                            capture_output=True, text=True, timeout=120)
+    env = {"PYTHONPATH": str(requirements_environment(["torch", "transformers", "safetensors"], tmp_path)),
+           "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-S", "-c", script, str(exported)], stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout.split()[1:3] == ["llama", "DartsForCausalLM"]
 
