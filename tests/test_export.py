@@ -145,7 +145,7 @@ def test_the_tokenizer_and_the_config_load_without_remote_code_a_question_or_a_w
     env = {"PYTHONPATH": str(requirements_environment(["torch", "transformers", "safetensors"], tmp_path)),
            "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "-S", "-c", script, str(exported)], stdin=subprocess.DEVNULL,
-                            capture_output=True, text=True, timeout=120, env=env)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout.split()[1:3] == ["llama", "DartsForCausalLM"]
 
