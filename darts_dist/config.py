@@ -250,6 +250,10 @@ class CalibrationSection(_Section):
     # merged model's LM head on the corrected final state, so it needs "final" among the layers. 0: the paper's loss.
     logit_weight: float = Field(default=0.0, ge=0.0)
     logit_top_k: PositiveInt = 64
+    # The KL at this many of each row's real tokens a step, drawn anew every step (uniformly, with replacement) by the
+    # step schedule's generator, where it is taken at every token (None): the LM head is most of a step's cost
+    # (a vocabulary's logits a token), and a sample's KL is an estimate of the whole row's.
+    logit_positions: PositiveInt | None = None
     tasks: dict[str, TaskCalibration] = Field(default_factory=dict)
     num_samples: PositiveInt = 128
     max_length: PositiveInt = 128

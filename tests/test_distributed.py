@@ -81,9 +81,11 @@ def checkpoints(config) -> list[Path]:
 
 # Deep DARTS with the loss at the last corrected layer only: rows keep the merged states entering layer 2 and
 # steps run from there; with the logit term, the experts stream their likeliest next tokens beside (weighted to
-# count: the tiny models' distributions are near uniform, their KL ~1e-6). The disturbed run trains these, so
-# that one Ray run checks the resume, deep DARTS and the logit term.
-DEEP = {"layers": [2, 3, "final"], "loss_at": "last", "learning_rate": 0.001, "logit_weight": 1e4, "logit_top_k": 8}
+# count: the tiny models' distributions are near uniform, their KL ~1e-6), taken at 3 sampled tokens of a row a step.
+# The disturbed run trains these, so that one Ray run checks the resume (the replayed schedule draws the samples
+# again), deep DARTS and the logit term.
+DEEP = {"layers": [2, 3, "final"], "loss_at": "last", "learning_rate": 0.001, "logit_weight": 1e4, "logit_top_k": 8,
+        "logit_positions": 3}
 
 
 @pytest.fixture(scope="module")

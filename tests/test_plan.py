@@ -334,16 +334,21 @@ def test_the_logit_term_adds_its_top_tokens_to_the_feature_store_and_its_logits_
     llama2_7b: Path,
 ) -> None:
     """calibration.logit_weight: a row brings 8 bytes a listed token (fp32 log-probability, int32 id) per token, and a
-    step holds the head's fp32 logits, their log-softmax and its gradient ([B, S, V] each)."""
+    step holds the head's fp32 logits, their log-softmax and its gradient ([B, S, V] each; [B, P, V] at
+    calibration.logit_positions P)."""
     from darts_dist.config import updated
 
     config = load_config(llama2_7b)
     config = updated(config, cluster=updated(config.cluster, zero_stage=2, feature_memory_mb=1 << 20))
     held = {}
-    for weight in (0.0, 1.0):
-        plan = build_plan(updated(config, calibration=updated(config.calibration, logit_weight=weight)))
-        held[weight] = next(role for role in plan.roles if role.name == "calibration worker").parts
+    for weight, positions in ((0.0, None), (1.0, None), (1.0, 16)):
+        calibration = updated(config.calibration, logit_weight=weight, logit_positions=positions)
+        plan = build_plan(updated(config, calibration=calibration))
+        held[weight, positions] = next(role for role in plan.roles if role.name == "calibration worker").parts
     c = config.calibration
     tokens = len(config.tasks) * c.num_samples / config.cluster.num_workers * c.max_length
-    assert held[1.0]["feature store"] - held[0.0]["feature store"] == int(tokens * 8 * c.logit_top_k)
-    assert held[1.0]["activations"] - held[0.0]["activations"] == 3 * c.batch_size * c.max_length * 32000 * 4
+    without = held[0.0, None]
+    assert held[1.0, None]["feature store"] - without["feature store"] == int(tokens * 8 * c.logit_top_k)
+    assert held[1.0, 16]["feature store"] == held[1.0, None]["feature store"]  # every token's targets are kept
+    assert held[1.0, None]["activations"] - without["activations"] == 3 * c.batch_size * c.max_length * 32000 * 4
+    assert held[1.0, 16]["activations"] - without["activations"] == 3 * c.batch_size * 16 * 32000 * 4

@@ -282,7 +282,7 @@ def fit_coefficients(
         optimizer.zero_grad(set_to_none=True)
         device = module.merge.coefficients.device
         total = module([(task.task, task.rows(index, device))
-                        for task, index in step_minibatches(features, settings.batch_size, generator)])
+                        for task, index, _ in step_minibatches(features, settings.batch_size, generator)])
         total.backward()
         optimizer.step()
         losses.append(float(total.detach()) / len(features))

@@ -83,8 +83,10 @@ class TaskFeatures:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def rows(self, index: torch.Tensor, device: torch.device = HOST) -> dict[str, object]:
-        """A minibatch of rows on `device`, trimmed to its longest real sequence, its hidden states in fp32.
+    def rows(self, index: torch.Tensor, device: torch.device = HOST, logit_picks: torch.Tensor | None = None
+             ) -> dict[str, object]:
+        """A minibatch of rows on `device`, trimmed to its longest real sequence, its hidden states in fp32; with
+        `logit_picks` ([rows, P] positions among each row's real tokens), the tokens the logit term is taken at.
 
         Hidden states may be kept in half precision or as `Ragged` rows (the Ray workers'); either way
         `v[index]` is the rows at `index`, padded, in the dtype they are kept in: they go to the device so (through
@@ -108,6 +110,7 @@ class TaskFeatures:
             "start_hidden": None if self.start_hidden is None else hidden(self.start_hidden),
             "top_log_p": None if self.top_log_p is None else onto(self.top_log_p[index][:, cut], device).float(),
             "top_ids": None if self.top_ids is None else onto(self.top_ids[index][:, cut], device),
+            "logit_picks": None if logit_picks is None else onto(logit_picks, device),
         }
 
 

@@ -96,23 +96,43 @@ def calibration_loss(
         target = targets[k].to(corrected[k].device)
         loss = loss + weighted_l1_loss(corrected[k].float(), target, mask.to(target.device), weights.to(target.device))
     if logit_weight:
-        final = corrected["final"]
+        at = [corrected["final"], rows["top_log_p"], rows["top_ids"], mask, weights]
+        if rows.get("logit_picks") is not None:  # the KL at the step's sample of each row's tokens only
+            at = [at_positions(values, rows["logit_picks"]) for values in at]
+        final, top_log_p, top_ids, kl_mask, kl_weights = at
         # The head computes in its own dtype, as the served model's does; the KL upcasts its logits.
         logits = head(final.to(next(head.parameters()).dtype))
         device = logits.device
-        loss = loss + logit_weight * top_k_kl(logits, rows["top_log_p"].to(device), rows["top_ids"].to(device),
-                                              mask.to(device), weights.to(device))
+        loss = loss + logit_weight * top_k_kl(logits, top_log_p.to(device), top_ids.to(device), kl_mask.to(device),
+                                              kl_weights.to(device))
     return loss
 
 
+def at_positions(values: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """`values` ([B, S, ...]) at each row's positions `picks` ([B, P]): [B, P, ...]."""
+    index = picks.to(values.device).long()
+    index = index.view(*index.shape, *[1] * (values.dim() - 2)).expand(*index.shape, *values.shape[2:])
+    return values.gather(1, index)
+
+
 def step_minibatches(
-    features: Sequence[TaskFeatures], batch_size: int, generator: torch.Generator
-) -> list[tuple[TaskFeatures, torch.Tensor]]:
-    """One step's sample: a random minibatch of every task, drawn in task order from `generator`.
+    features: Sequence[TaskFeatures], batch_size: int, generator: torch.Generator, logit_positions: int | None = None
+) -> list[tuple[TaskFeatures, torch.Tensor, torch.Tensor | None]]:
+    """One step's sample: a random minibatch of every task, drawn in task order from `generator`, and with
+    `logit_positions` (`CalibrationSection.logit_positions`) that many of each of its rows' real tokens
+    ([rows, logit_positions], uniform with replacement) for the logit term, else None.
 
     Shared by the in-process and the distributed loops, so that one seed gives both the same schedule.
     """
-    return [(task, torch.randperm(len(task), generator=generator)[:batch_size]) for task in features]
+    draws = []
+    for task in features:
+        index = torch.randperm(len(task), generator=generator)[:batch_size]
+        picks = None
+        if logit_positions:
+            lengths = task.attention_mask[index].sum(dim=1, keepdim=True)  # rows are padded on the right
+            picks = (torch.rand((len(index), logit_positions), generator=generator) * lengths).long()
+        draws.append((task, index, picks))
+    return draws
 
 
 @dataclass
@@ -159,10 +179,11 @@ def calibrate_in_process(
             step_start = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             total = torch.zeros(())
-            for task, index in step_minibatches(features, settings.batch_size, generator):
+            for task, index, picks in step_minibatches(features, settings.batch_size, generator,
+                                                       settings.logit_positions):
                 loss = calibration_loss(
                     corrections,
-                    task.rows(index, device),
+                    task.rows(index, device, picks),
                     task.task_index,
                     settings.beta_for(task.task),
                     settings.weight_on_for(task.task),

@@ -158,8 +158,9 @@ def calibration_roles(config: RunConfig, experts: dict[str, ModelShape], merged:
             "optimizer": trained * (ADAM_BYTES - 4) // (workers if cluster.zero_stage >= 1 else 1)}
     work = {"feature store": min(int(rows * S * per_token), cluster.feature_memory_mb << 20),
             "activations": _forward(merged, B, S, item) + (loss_layers + 2) * B * S * d * 4
-            # the logit term: the head's fp32 logits of a minibatch, their log-softmax and its gradient
-            + (3 * B * S * merged.vocab_size * 4 if c.logit_weight else 0)}
+            # the logit term: the head's fp32 logits of a minibatch (at its sampled tokens), their log-softmax and
+            # its gradient
+            + (3 * B * (c.logit_positions or S) * merged.vocab_size * 4 if c.logit_weight else 0)}
     cast = _cast_on_load(config.merge.dtype, dtype, cluster.use_gpu, merged)
     if share == 1 and not cast:
         roles.append(Role("calibration worker", "calibration", workers, worker_bundle(cluster), held | work))

@@ -543,7 +543,7 @@ def train_steps(
     rank = dist.get_rank()
     generator = torch.Generator().manual_seed(settings.seed + rank)
     for _ in range(state.step):  # replay the schedule of the steps the checkpoint already holds
-        step_minibatches(features, settings.batch_size, generator)
+        step_minibatches(features, settings.batch_size, generator, settings.logit_positions)
     on_step: StepCallback | None = config["on_step"] if rank == 0 else None
     rows_per_step = settings.batch_size * len(features) * dist.get_world_size()
     device = worker_device()
@@ -552,8 +552,8 @@ def train_steps(
         if step == config["fail_at_step"] and state.resumed_from is None and rank == 0:
             raise RuntimeError(f"injected failure in step {step} ({FAIL_WORKER_AT_STEP})")
         # Each minibatch goes to the rank's device in the dtype the stream kept it in, upcast there.
-        minibatches = [(task.task, task.rows(index, device))
-                       for task, index in step_minibatches(features, settings.batch_size, generator)]
+        minibatches = [(task.task, task.rows(index, device, picks)) for task, index, picks
+                       in step_minibatches(features, settings.batch_size, generator, settings.logit_positions)]
         loss = engine(minibatches)
         engine.backward(loss)
         engine.step()
