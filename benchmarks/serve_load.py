@@ -9,7 +9,9 @@ declared body above serve.max_request_bytes). Results, as JSON lines: valid requ
 an error in their stream) and lost responses (no reply, a cut stream, an unreadable body), both must be 0;
 the share of invalid requests answered 4xx (must be 1); p50/p99 latency, p50/p99 time to the first
 text of the streamed ones, and throughput of the valid ones against the same kind of requests sent one at a
-time first; and /healthz afterwards.
+time first; and /healthz afterwards. Beside them, `serve_load_ceiling`: the model's own throughput on the load's first
+2 × CONCURRENCY valid requests (as the server tokenises them) in waves of CONCURRENCY against one at a time, plain
+transformers in this process: the most any engine could gain by batching this workload on this machine.
 
 `--switch` runs the load across a version switch instead: the same model registered twice (two sets of
 corrections) in a throwaway registry, served as models:/demo@champion with serve.follow_alias, and the alias moved
@@ -266,6 +268,62 @@ def result_lines(load: LoadResult, alone: LoadResult) -> list[dict]:
     ]
 
 
+def workload_tokens(tokenizer, prompts: list[str], requests: int, max_tokens: int) -> list[tuple[list[int], int]]:
+    """The valid requests of a load (`request_specs`, seed 0) as the server tokenises them: (prompt ids, max_tokens)."""
+    from darts_dist.sources.models import encode_user_chat, encode_user_prompt
+
+    work = []
+    for spec in request_specs(["m"], prompts, requests, max_tokens, seed=0):
+        if spec.valid:
+            body = json.loads(spec.body)
+            ids = (encode_user_chat(tokenizer, body["messages"])[1] if "messages" in body
+                   else encode_user_prompt(tokenizer, body["prompt"]))
+            work.append((ids, body["max_tokens"]))
+    return work
+
+
+def ceiling_lines(model, pad_id: int, work: list[tuple[list[int], int]], concurrency: int) -> list[dict]:
+    """What batching can gain at most on this machine for this workload: the model's own seconds to serve `work` one
+    request at a time (each prompt's prefill, then a forward per token; no HTTP, no correction, no engine) against in
+    waves of `concurrency` requests (a wave's prompts prefilled in one padded forward, or one by one where that is
+    faster, then its tokens decoded as one batch). A prefill is already a batch of the prompt's tokens, so where the
+    prompts' prefills dominate, batching requests buys little: the server's throughput ratio can reach this one at
+    most."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    @torch.inference_mode()
+    def generate(batch: list[list[int]], tokens: int) -> tuple[float, float]:
+        """(prefill seconds, total seconds) of `batch` left-padded, greedy for `tokens` tokens."""
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(row)) + row for row in batch])
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in batch])
+        started = time.perf_counter()
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1).logits
+        prefill = time.perf_counter() - started
+        for _ in range(tokens - 1):
+            mask = torch.cat([mask, mask.new_ones((len(batch), 1))], dim=1)
+            logits = model(input_ids=logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask,
+                           past_key_values=cache, logits_to_keep=1).logits
+        return prefill, time.perf_counter() - started
+
+    generate(*work[0])  # warm-up
+    alone = [generate([ids], tokens) for ids, tokens in work]
+    batched = 0.0
+    for start in range(0, len(work), concurrency):
+        wave = work[start:start + concurrency]
+        prefill, total = generate([ids for ids, _ in wave], max(tokens for _, tokens in wave))
+        batched += total - prefill + min(prefill, sum(alone[start + i][0] for i in range(len(wave))))
+    alone_s = sum(total for _, total in alone)
+    details = {"requests": len(work), "concurrency": concurrency,
+               "mean_prompt_tokens": round(statistics.mean(len(ids) for ids, _ in work), 1),
+               "mean_max_tokens": round(statistics.mean(tokens for _, tokens in work), 1),
+               "prefill_share_alone": round(sum(prefill for prefill, _ in alone) / alone_s, 3)}
+    return [{"name": "serve_load_ceiling", "value": len(work) / batched, "baseline": len(work) / alone_s,
+             "unit": "requests/s", **details}]
+
+
 def run_for(base: str, ids: list[str], prompts: list[str], duration_s: float, concurrency: int,
             api_key: str | None = None, max_tokens: int = 16) -> LoadResult:
     """`concurrency` clients each sending the mixed load over model `ids` one request at a time until `duration_s`
@@ -440,13 +498,32 @@ def main() -> None:
                 if args.flood:
                     lines = flood_lines(base, prompts, args)
                 else:
+                    ceiling = model_ceiling(merged_dir, prompts, args)
                     alone = run_load(base, prompts, args.alone, 1, max_tokens=args.max_tokens, seed=1)
                     note(f"{args.requests} requests at concurrency {args.concurrency}")
                     load = run_load(base, prompts, args.requests, args.concurrency, max_tokens=args.max_tokens)
-                    lines = result_lines(load, alone)
+                    lines = result_lines(load, alone) + ceiling
     for line in lines:
         emit(line.pop("name"), line.pop("value"), line.pop("baseline"), line.pop("unit"), model=model,
              max_tokens=args.max_tokens, replica_cpus=args.replica_cpus, **line)
+
+
+def model_ceiling(merged_dir: Path, prompts: list[str], args) -> list[dict]:
+    """`ceiling_lines` for the served merge, in this process while the idle server waits (the replica's
+    threads sleep), on as many requests as two waves of the load's concurrency."""
+    import torch
+    from common import note
+
+    from darts_dist.sources.models import load_causal_lm, load_tokenizer
+
+    note("the model's own ceiling for this workload (one at a time, then in waves)")
+    tokenizer = load_tokenizer(merged_dir)
+    model = load_causal_lm(merged_dir, dtype=torch.float32).eval()
+    work = workload_tokens(tokenizer, prompts, 2 * args.concurrency * INVALID_EVERY // (INVALID_EVERY - 1) + 1,
+                           args.max_tokens)[:2 * args.concurrency]
+    lines = ceiling_lines(model, tokenizer.pad_token_id or 0, work, args.concurrency)
+    del model
+    return lines
 
 
 def register_versions(config, merged_dir: Path, router: Path, folder: Path) -> str:

@@ -81,21 +81,26 @@ def _with_position(settings: CalibrationSection) -> CalibrationSection:
     return settings if settings.position_bias != "none" else updated(settings, position_bias="per_task")
 
 
-# Each variant's calibration settings from DARTS's (the config's, or the tuned ones); None: no correction.
+def _paper(settings: CalibrationSection) -> CalibrationSection:
+    # The paper's loss, hidden states alone: a config's logit term is the darts+logits variant's.
+    return updated(settings, logit_weight=0.0) if settings.logit_weight else settings
+
+
+# Each variant's calibration settings from the config's (or the tuned ones); None: no correction.
 VARIANTS: dict[str, Callable[[CalibrationSection], CalibrationSection | None]] = {
     "merged": lambda settings: None,
-    "surgery": lambda settings: _no_position(_no_entropy(settings)),  # β = 0, no P: Representation Surgery
-    "entropy": _no_position,  # the entropy weight alone
-    "position": lambda settings: _with_position(_no_entropy(settings)),  # the position bias alone
-    "darts": lambda settings: settings,
+    "surgery": lambda settings: _no_position(_no_entropy(_paper(settings))),  # β = 0, no P: Representation Surgery
+    "entropy": lambda settings: _no_position(_paper(settings)),  # the entropy weight alone
+    "position": lambda settings: _with_position(_no_entropy(_paper(settings))),  # the position bias alone
+    "darts": _paper,
 }
 PAPER_VARIANTS = tuple(VARIANTS)
 # DARTS at another rank than the config's (the demo's is 256: these are the frontier's cheaper corrections), routed
 # as DARTS is; run when named.
 RANKED = {f"rank{rank}": rank for rank in (16, 64)}
-VARIANTS |= {name: (lambda settings, rank=rank: updated(settings, rank=rank)) for name, rank in RANKED.items()}
-# DARTS aimed at the answer too: the logit term beside the hidden states' L1 (calibration.logit_weight, 1 where the
-# config sets none); routed as DARTS, run when named.
+VARIANTS |= {name: (lambda settings, rank=rank: updated(_paper(settings), rank=rank)) for name, rank in RANKED.items()}
+# DARTS aimed at the answer too: the logit term beside the hidden states' L1 (the config's calibration.logit_weight and
+# logit_positions; weight 1 where the config sets none); routed as DARTS, run when named.
 LOGITS = "darts+logits"
 VARIANTS[LOGITS] = lambda settings: settings if settings.logit_weight else updated(settings, logit_weight=1.0)
 ROUTED = ("darts", *RANKED, LOGITS)  # the variants the run's router serves, as DARTS

@@ -367,7 +367,11 @@ def test_variants_can_be_chosen() -> None:
     # DARTS with the logit term: weight 1 where the config sets none, the config's where it does; when named.
     plan = plan_ablation(_config(), variants=["darts", "darts+logits"])
     assert plan.variants["darts+logits"] == plan.variants["darts"].model_copy(update={"logit_weight": 1.0})
-    assert plan_ablation(_config({"logit_weight": 0.3}), variants=["darts+logits"]).variants["darts+logits"].logit_weight == 0.3
+    # A config with the term (the demo's): its paper variants train the paper's loss, the term is the variant's.
+    plan = plan_ablation(_config({"logit_weight": 0.3, "logit_positions": 4}),
+                         variants=["surgery", "darts", "rank16", "darts+logits"])
+    assert plan.variants["darts+logits"].logit_weight == 0.3 and plan.variants["darts+logits"].logit_positions == 4
+    assert all(plan.variants[name].logit_weight == 0.0 for name in ("surgery", "darts", "rank16"))
     assert "darts+logits" not in plan_ablation(_config()).variants
     with pytest.raises(DartsError, match="unknown or repeated"):
         plan_ablation(_config(), variants=["merged", "dart"])
