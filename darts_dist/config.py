@@ -318,6 +318,11 @@ class CalibrationSection(_Section):
         none."""
         return self.logit_top_k if self.logit_weight else 0
 
+    def logit_samples(self) -> int | None:
+        """How many of each row's tokens a step draws for the logit term (None: every token, or no term, so that a
+        setting the loss does not use leaves the step schedule alone)."""
+        return self.logit_positions if self.logit_weight else None
+
     def logit_target_bytes(self) -> int:
         """What a token's logit targets take on the wire and in the feature store: an fp32 log-probability and an
         int32 id per listed token."""

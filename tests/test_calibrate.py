@@ -201,6 +201,9 @@ def test_the_step_schedule_samples_the_logit_terms_tokens_among_each_rows_real_o
     for task in features:
         real = {(row, position) for row in range(len(task)) for position in range(int(task.attention_mask[row].sum()))}
         assert seen[task.task] == real
+    # Without a logit term nothing is drawn for it, whatever logit_positions says.
+    assert CalibrationSection(logit_positions=5).logit_samples() is None
+    assert CalibrationSection(logit_weight=1.0, logit_positions=5).logit_samples() == 5
     plain, generator = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     for task, index, picks in step_minibatches(features, 4, generator):
         assert picks is None and torch.equal(index, torch.randperm(len(task), generator=plain)[:4])

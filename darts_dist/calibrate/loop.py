@@ -119,7 +119,7 @@ def step_minibatches(
     features: Sequence[TaskFeatures], batch_size: int, generator: torch.Generator, logit_positions: int | None = None
 ) -> list[tuple[TaskFeatures, torch.Tensor, torch.Tensor | None]]:
     """One step's sample: a random minibatch of every task, drawn in task order from `generator`, and with
-    `logit_positions` (`CalibrationSection.logit_positions`) that many of each of its rows' real tokens
+    `logit_positions` (`CalibrationSection.logit_samples`) that many of each of its rows' real tokens
     ([rows, logit_positions], uniform with replacement) for the logit term, else None.
 
     Shared by the in-process and the distributed loops, so that one seed gives both the same schedule.
@@ -180,7 +180,7 @@ def calibrate_in_process(
             optimizer.zero_grad(set_to_none=True)
             total = torch.zeros(())
             for task, index, picks in step_minibatches(features, settings.batch_size, generator,
-                                                       settings.logit_positions):
+                                                       settings.logit_samples()):
                 loss = calibration_loss(
                     corrections,
                     task.rows(index, device, picks),

@@ -543,7 +543,7 @@ def train_steps(
     rank = dist.get_rank()
     generator = torch.Generator().manual_seed(settings.seed + rank)
     for _ in range(state.step):  # replay the schedule of the steps the checkpoint already holds
-        step_minibatches(features, settings.batch_size, generator, settings.logit_positions)
+        step_minibatches(features, settings.batch_size, generator, settings.logit_samples())
     on_step: StepCallback | None = config["on_step"] if rank == 0 else None
     rows_per_step = settings.batch_size * len(features) * dist.get_world_size()
     device = worker_device()
@@ -553,7 +553,7 @@ def train_steps(
             raise RuntimeError(f"injected failure in step {step} ({FAIL_WORKER_AT_STEP})")
         # Each minibatch goes to the rank's device in the dtype the stream kept it in, upcast there.
         minibatches = [(task.task, task.rows(index, device, picks)) for task, index, picks
-                       in step_minibatches(features, settings.batch_size, generator, settings.logit_positions)]
+                       in step_minibatches(features, settings.batch_size, generator, settings.logit_samples())]
         loss = engine(minibatches)
         engine.backward(loss)
         engine.step()
