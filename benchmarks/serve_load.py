@@ -308,7 +308,7 @@ def ceiling_lines(model, pad_id: int, work: list[tuple[list[int], int]], concurr
                            past_key_values=cache, logits_to_keep=1).logits
         return prefill, time.perf_counter() - started
 
-    generate(*work[0])  # warm-up
+    generate([work[0][0]], work[0][1])  # warm-up
     alone = [generate([ids], tokens) for ids, tokens in work]
     batched = 0.0
     for start in range(0, len(work), concurrency):
