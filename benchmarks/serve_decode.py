@@ -149,8 +149,9 @@ def main() -> None:
     p.add_argument("--short", type=int, default=10, help="short prompts measured alone in part 3")
     p.add_argument("--stream-tokens", type=int, default=1024, help="each running stream's tokens in part 3")
     # The 31 streams' prompts (95 tokens each) prefill in chunks of serve.prefill_chunk_tokens (64 on a CPU) beside
-    # the decoding: about 10 s here. 5 s left some prefilling, and a short prompt "alone" waited behind them (5 s).
-    p.add_argument("--settle", type=float, default=20.0, help="seconds for part 3's streams to start decoding")
+    # the decoding: about 10 s on an Intel Xeon, where 5 s left some prefilling and a short prompt "alone" waited
+    # behind them (5 s); 20 s did the same on a 2-core AMD EPYC at half the Xeon's rate.
+    p.add_argument("--settle", type=float, default=45.0, help="seconds for part 3's streams to start decoding")
     p.add_argument("--skip-long", action="store_true", help="parts 1 and 2 only")
     p.add_argument("--skip-rates", action="store_true", help="part 3 only")
     args = p.parse_args()
