@@ -10,7 +10,8 @@ In one run, on the demo merge (SmolLM2-135M-Instruct, corrections of the demo's 
    sending greedy completions of `--max-tokens` tokens (`ignore_eos`) back to back to a corrected model id, for C in
    1, 8 and 32: generated tokens/s against the model's own rate at batch C (target: ≥ 0.9× at 1, ≥ 0.85× at 32).
 3. Time to first token of short streamed prompts, one after another, while 31 streams decode beside them: alone
-   (the baseline) and while a `--long-tokens` prompt joins and prefills (target: p99 ≤ 2× the baseline's).
+   (the baseline) and while a `--long-tokens` prompt joins and prefills (target: p99 ≤ 2× the baseline's), in
+   `--rounds` rounds (each its own long prompt) for the ratio's spread.
 """
 
 from __future__ import annotations
@@ -104,40 +105,50 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
 
 
-def beside_long_prompt(base: str, model_id: str, short: str, long: str, args) -> list[dict]:
-    """Part 3: 31 streams decoding, short prompts' first tokens without and then with a long prompt prefilling."""
+def beside_long_prompt(base: str, model_id: str, short: str, longs: list[str], args) -> list[dict]:
+    """Part 3: 31 streams decoding; in each round, short prompts' first tokens without and then with a long prompt
+    prefilling (a round's own long prompt: none of it is in the prefix cache)."""
     short_spec = completion(model_id, short, 1, stream=True)
-    running = threading.Event()
     streams = ThreadPoolExecutor(STREAMS)
-    # Long enough to outlast both measurements: they run while every stream decodes.
+    # Long enough to outlast the measurements: they run while every stream decodes.
     futures = [streams.submit(send, base, completion(model_id, short, args.stream_tokens, stream=True), None, 900)
                for _ in range(STREAMS)]
+    rounds = []
     try:
         time.sleep(args.settle)  # every stream past its prefill, decoding
-        alone = first_tokens(base, short_spec, None, args.short)
-        done = threading.Event()
-        long_reply: list[tuple] = []
+        for long in longs:
+            alone = first_tokens(base, short_spec, None, args.short)
+            done = threading.Event()
+            long_reply: list[tuple] = []
 
-        def long_request() -> None:
-            long_reply.append(send(base, completion(model_id, long, 1, stream=True), None, 900))
-            done.set()
+            def long_request(text: str = long, reply: list = long_reply, finished: threading.Event = done) -> None:
+                reply.append(send(base, completion(model_id, text, 1, stream=True), None, 900))
+                finished.set()
 
-        thread = threading.Thread(target=long_request)
-        thread.start()
-        beside = first_tokens(base, short_spec, done, 0)
-        thread.join()
-        running.set()
+            thread = threading.Thread(target=long_request)
+            thread.start()
+            beside = first_tokens(base, short_spec, done, 0)
+            thread.join()
+            rounds.append((alone, beside, long_reply[0]))
         if any(f.done() for f in futures):
             note("warning: a stream ended before the measurements did (raise --stream-tokens)")
     finally:
         streams.shutdown(wait=True)
-    outcome, long_seconds, long_first = long_reply[0]
-    if outcome != "ok":
-        raise RuntimeError(f"the long prompt came back {outcome}")
-    return [{"name": "serve_decode.ttft_beside_long_prompt_p99", "value": p99(beside), "baseline": p99(alone),
-             "unit": "s", "target_ratio": 2.0, "short_prompts": {"alone": len(alone), "beside": len(beside)},
-             "p50": {"alone": statistics.median(alone), "beside": statistics.median(beside)},
-             "long_prompt_ttft_s": long_first, "streams": STREAMS}]
+    lines = []
+    for index, (alone, beside, (outcome, _, long_first)) in enumerate(rounds):
+        if outcome != "ok":
+            raise RuntimeError(f"the long prompt came back {outcome}")
+        lines.append({"name": "serve_decode.ttft_beside_long_prompt_p99", "value": p99(beside), "baseline": p99(alone),
+                      "unit": "s", "target_ratio": 2.0, "round": index,
+                      "short_prompts": {"alone": len(alone), "beside": len(beside)},
+                      "p50": {"alone": statistics.median(alone), "beside": statistics.median(beside)},
+                      "long_prompt_ttft_s": long_first, "streams": STREAMS})
+    if len(rounds) > 1:  # a p99 of 31 is nearly their maximum: one round's ratio says little alone
+        ratios = [line["value"] / line["baseline"] for line in lines]
+        lines.append({"name": "serve_decode.ttft_beside_long_prompt_p99_ratio", "value": statistics.mean(ratios),
+                      "baseline": 1.0, "unit": "x", "target_ratio": 2.0, "sd": statistics.stdev(ratios),
+                      "rounds": [round(r, 4) for r in ratios]})
+    return lines
 
 
 def main() -> None:
@@ -154,6 +165,7 @@ def main() -> None:
     # the decoding: about 10 s on an Intel Xeon, where 5 s left some prefilling and a short prompt "alone" waited
     # behind them (5 s); 20 s did the same on a 2-core AMD EPYC at half the Xeon's rate.
     p.add_argument("--settle", type=float, default=45.0, help="seconds for part 3's streams to start decoding")
+    p.add_argument("--rounds", type=int, default=3, help="part 3's rounds (alone, then beside a long prompt of its own)")
     p.add_argument("--skip-long", action="store_true", help="parts 1 and 2 only")
     p.add_argument("--skip-rates", action="store_true", help="part 3 only")
     args = p.parse_args()
@@ -205,8 +217,9 @@ def main() -> None:
                      max_tokens=args.max_tokens, model=model_name)
             if not args.skip_long:
                 repeated = " ".join([prompt] * (args.long_tokens // len(prompt_ids) + 1))
-                long = tokenizer.decode(encode_user_prompt(tokenizer, repeated)[:args.long_tokens])
-                for line in beside_long_prompt(base, model_id, prompt, long, args):
+                longs = [tokenizer.decode(encode_user_prompt(tokenizer, f"Round {index}. {repeated}")[:args.long_tokens])
+                         for index in range(args.rounds)]
+                for line in beside_long_prompt(base, model_id, prompt, longs, args):
                     emit(line.pop("name"), line.pop("value"), line.pop("baseline"), line.pop("unit"), model=model_name,
                          **line)
 

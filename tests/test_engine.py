@@ -417,6 +417,40 @@ def test_a_prompt_just_over_the_budget_is_not_held_behind_a_very_long_one(lm: Co
     assert all(listener.finished is not None for listener in others)
 
 
+def test_a_prompt_arriving_while_a_chunk_prefills_joins_before_the_steps_decode_on_the_next_steps_budget(
+        lm: CorrectedLM) -> None:
+    """Its first token waits for the chunk's forward, not for the chunk's and the decode's both; the tokens it
+    prefilled come out of the next step's budget, so the long prompt's next chunk is smaller by them."""
+    short, long = tuple(lm.encode(MORE[1])), tuple(lm.encode(" ".join(MORE * 8)))
+    budget = 2 * len(short)
+    assert len(long) > 4 * budget
+    batcher = ContinuousBatcher(lm, max_batch_size=4, prefill_chunk_tokens=budget)
+    stream, first, late = Collect(), Collect(), Collect()
+    batcher.add(SequenceRequest(tuple(lm.encode(MORE[0])), "code", greedy(40)), stream)
+    batcher.step()
+    batcher.add(SequenceRequest(long, "code", greedy(2)), first)
+    batcher.step()  # the long prompt's first chunk (after its cached prefix): the whole budget
+    done = batcher.prefilling[0].done
+    chunk_forward = batcher._prefill_chunk
+
+    def arriving_during(chunk, size) -> None:  # as a request from the event loop's thread would, mid-forward
+        chunk_forward(chunk, size)
+        batcher.add(SequenceRequest(short, "math", greedy(3)), late)
+
+    batcher._prefill_chunk = arriving_during
+    batcher.step()
+    del batcher._prefill_chunk
+    joined = [s for s in batcher.running if s.request.ids == short]
+    assert joined and len(joined[0].text.tokens) == 2  # its first token at its prefill, its second at the decode
+    assert batcher.prefilling[0].done == done + budget
+    batcher.step()
+    assert batcher.prefilling[0].done == done + budget + (budget - len(short))  # less what the late one took
+    batcher.run_until_idle()
+    assert late.finished.completion == lm.generate([MORE[1]], ["math"], max_new_tokens=3)[0]
+    assert first.finished.completion == lm.generate([" ".join(MORE * 8)], ["code"], max_new_tokens=2)[0]
+    assert stream.finished.completion == lm.generate([MORE[0]], ["code"], max_new_tokens=40)[0]
+
+
 def test_bad_settings_are_refused(lm: CorrectedLM) -> None:
     with pytest.raises(DartsError, match="max_batch_size"):
         ContinuousBatcher(lm, max_batch_size=0)

@@ -258,7 +258,7 @@ class ContinuousBatcher:
         # Long prompts prefilling a chunk per step (None: a prompt prefills whole), each with its cache so far.
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prefilling: list[_Prefilling] = []
-        self.prefilled = 0  # prompt tokens prefilled whole in this step (the chunk takes the rest of the budget)
+        self.borrowed = 0  # prompt tokens of the next step's budget that joiners arriving mid-step prefilled
         self.cache = self._new_cache()
         self.joins = 0
         self.prefixes = PrefixCache(prefix_cache_tokens)
@@ -334,21 +334,32 @@ class ContinuousBatcher:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Drop the cancelled, let waiting sequences join, prefill them (a long prompt's next chunk), decode one
-        token for every sequence.
+        """Drop the cancelled, let waiting sequences join, prefill them (a long prompt's next chunk, then whoever
+        arrived during it), decode one token for every sequence.
 
         A failed forward fails the sequences it ran (their listeners hear the exception); the batcher goes on.
         """
         self._leave([s for s in self.running if s.ticket.cancelled])
         self.prefilling = [p for p in self.prefilling if not p.sequence.ticket.cancelled]
-        joining = self._admit()
+        spent, self.borrowed = self._admit_and_prefill(self.borrowed), 0
+        chunks = self._chunks(spent)
+        for chunk, size in chunks:
+            self._guarded(self._prefill_chunk, [chunk.sequence], chunk, size)
+        if chunks:
+            # Who arrived while the chunks prefilled joins before this step's decode, on the next step's budget: its
+            # first token waits for the chunk's forward, not for the chunk's and the decode's both.
+            self.borrowed = self._admit_and_prefill(0)
+        if self.running:
+            self._guarded(self._decode, self.running)
+
+    def _admit_and_prefill(self, spent: int) -> int:
+        """Admit and prefill whom the batch has room for, with `spent` of the step's prefill budget gone; returns
+        the budget spent after them."""
+        joining, spent = self._admit(spent)
         if joining:
             # A failed prefill fails its joiners only: the running batch's cache is joined after it succeeds.
             self._guarded(self._prefill, joining, joining)
-        for chunk, size in self._chunks():
-            self._guarded(self._prefill_chunk, [chunk.sequence], chunk, size)
-        if self.running:
-            self._guarded(self._decode, self.running)
+        return spent
 
     def _guarded(self, work: Callable[..., None], sequences: list[_Sequence], *args: object) -> None:
         """Run `work`; if it fails, the sequences it ran that had not finished hear the error and leave, the
@@ -371,9 +382,10 @@ class ContinuousBatcher:
         while self.has_work():
             self.step()
 
-    def _admit(self) -> list[_Sequence]:
-        """Waiting sequences that join now, while the batch has room: the group holding the fewest running
-        sequences first (ties: turn order); a group with none running may preempt one to get in."""
+    def _admit(self, spent: int) -> tuple[list[_Sequence], int]:
+        """Waiting sequences that join now, while the batch has room and the step's prefill budget (`spent` of it
+        gone) takes their whole prompts: the group holding the fewest running sequences first (ties: turn order); a
+        group with none running may preempt one to get in. Returns them and the budget spent after them."""
         joining: list[_Sequence] = []
         with self._lock:
             # Requests given up while waiting leave the queue (and its count) at once.
@@ -385,7 +397,6 @@ class ContinuousBatcher:
                     del self.waiting[group]
             held = Counter(s.group for s in [*self.running, *(p.sequence for p in self.prefilling)])
             budget = self.prefill_chunk_tokens
-            self.prefilled = 0  # prompt tokens the joiners prefill whole this step
             while self.waiting:
                 group = min(self.waiting, key=lambda g: held[g])  # min keeps the first of equals: turn order
                 sequence = self.waiting[group][0]
@@ -396,15 +407,15 @@ class ContinuousBatcher:
                 if budget is not None:  # the step's prefill: whole prompts up to the budget; longer ones in chunks
                     cost = len(sequence.prompt)  # at most: a cached prefix costs nothing
                     if cost <= budget:
-                        if self.prefilled + cost > budget:
+                        if spent + cost > budget:
                             break  # the step's prefill is full: it joins at the next
-                        self.prefilled += cost
+                        spent += cost
                 joining.append(self.waiting[group].popleft())
                 held[group] += 1
                 queue = self.waiting.pop(group)
                 if queue:
                     self.waiting[group] = queue  # its turn is over: to the end
-        return joining
+        return joining, spent
 
     def _new_cache(self) -> SlotCache:
         return SlotCache(self.lm.model.config, self.max_batch_tokens)
@@ -491,7 +502,7 @@ class ContinuousBatcher:
                 self._store_prefix(scope, sequence, cache, row, mask[row])
         self._join(sequences, cache, mask, logits)
 
-    def _chunks(self) -> list[tuple[_Prefilling, int]]:
+    def _chunks(self, spent: int) -> list[tuple[_Prefilling, int]]:
         """This step's chunks: what is left of `prefill_chunk_tokens` after the joiners' whole prompts, to the prompts
         with the fewest tokens left first (so a prompt just over the budget is not held behind a very long one), and
         a quarter of the budget to the oldest when it had less the step before: nothing holds it back for ever, and a
@@ -499,7 +510,7 @@ class ContinuousBatcher:
         made every step of the short one's prefill dearer)."""
         if not self.prefilling:
             return []
-        left = max(0, self.prefill_chunk_tokens - self.prefilled)
+        left = max(0, self.prefill_chunk_tokens - spent)
         sizes: dict[_Prefilling, int] = {}
         for chunk in sorted(self.prefilling, key=_Prefilling.left):
             if left == 0:
