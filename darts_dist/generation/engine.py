@@ -10,7 +10,7 @@ running sequence in one forward. With `prefill_chunk_tokens`, a step prefills at
 (a quarter more, every other step, for the oldest long prompt): whole prompts up to it (the others join at the next step), and a
 prompt longer than it in chunks, in a cache of its own, beside the decoding batch, joining it with its last chunk
 (the prompts with the fewest tokens left first): a long prompt never stalls the running streams for its whole
-prefill. Finished sequences leave at once, so a short answer never waits for a long one and a waiting
+prefill. Whoever arrives while the chunks prefill joins before that step's decode, on the next step's budget. Finished sequences leave at once, so a short answer never waits for a long one and a waiting
 request never waits for a whole batch. A request's sequences are one group, and groups share the batch
 fairly (`ContinuousBatcher`). Everything is per sequence: its task's correction (the hooks take one task weight row per sequence, and position ids count from
 each sequence's own first token), temperature, top_p, stop strings, max_tokens and a random
