@@ -11,7 +11,10 @@ In one run, on the demo merge (SmolLM2-135M-Instruct, corrections of the demo's 
    1, 8 and 32: generated tokens/s against the model's own rate at batch C (target: ≥ 0.9× at 1, ≥ 0.85× at 32).
 3. Time to first token of short streamed prompts, one after another, while 31 streams decode beside them: alone
    (the baseline) and while a `--long-tokens` prompt joins and prefills (target: p99 ≤ 2× the baseline's), in
-   `--rounds` rounds (each its own long prompt) for the ratio's spread.
+   `--rounds` rounds (each its own long prompt) for the ratio's spread. Beside them, the 31 streams' gaps between
+   texts over the same two spans: the p99 with the long prompt prefilling against without it. A gap is between
+   events that carry text, so it spans one step or more: past its answer, a stream decoded with ignore_eos writes
+   special tokens (end of turn, start of turn) that have no text, nearly half its tokens on the demo model.
 """
 
 from __future__ import annotations
@@ -89,35 +92,57 @@ def server_rate(base: str, spec: Spec, clients: int, per_client: int, tokens: in
     return clients * per_client * tokens / (time.perf_counter() - started)
 
 
-def first_tokens(base: str, spec: Spec, until: threading.Event | None, count: int) -> list[float]:
-    """Seconds to the first text of short streamed prompts sent one after another: `count` of them, or while
-    `until` is not set (at least one)."""
-    seconds = []
-    while len(seconds) < count if until is None else not (until.is_set() and seconds):
-        outcome, _, first = send(base, spec, None, 600)
+def first_tokens(base: str, spec: Spec, until: threading.Event | None, count: int, rate: float | None) -> list[float]:
+    """Seconds to the first text of short streamed prompts: `count` of them, or while `until` is not set (at least
+    one); one after another (`rate` None: a closed loop, where a faster answer brings the next prompt sooner), or
+    sent `rate` a second whether or not the last has answered (an open loop: the same work for every engine)."""
+    def more(sent: int) -> bool:
+        return sent < count if until is None else not (until.is_set() and sent)
+
+    if rate is None:
+        replies = []
+        while more(len(replies)):
+            replies.append(send(base, spec, None, 600))
+    else:
+        started, futures = time.perf_counter(), []
+        with ThreadPoolExecutor(32) as pool:
+            while more(len(futures)):
+                time.sleep(max(0.0, started + len(futures) / rate - time.perf_counter()))
+                futures.append(pool.submit(send, base, spec, None, 600))
+        replies = [future.result() for future in futures]
+    for outcome, _, first in replies:
         if outcome != "ok" or first is None:
             raise RuntimeError(f"a short prompt came back {outcome}")
-        seconds.append(first)
-    return seconds
+    return [first for _, _, first in replies]
 
 
 def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98] if len(values) > 1 else values[0]
 
 
+def gaps_within(times: list[list[float]], window: tuple[float, float]) -> list[float]:
+    """The running streams' seconds between consecutive texts, for each text that arrived within `window`."""
+    return [later - earlier for stream in times for earlier, later in zip(stream, stream[1:])
+            if window[0] <= later <= window[1]]
+
+
 def beside_long_prompt(base: str, model_id: str, short: str, longs: list[str], args) -> list[dict]:
     """Part 3: 31 streams decoding; in each round, short prompts' first tokens without and then with a long prompt
-    prefilling (a round's own long prompt: none of it is in the prefix cache)."""
+    prefilling (a round's own long prompt: none of it is in the prefix cache), and the 31 streams' gaps between
+    tokens over the same two spans (what a prefilling step costs the streams already running)."""
     short_spec = completion(model_id, short, 1, stream=True)
     streams = ThreadPoolExecutor(STREAMS)
+    text_times: list[list[float]] = [[] for _ in range(STREAMS)]
     # Long enough to outlast the measurements: they run while every stream decodes.
-    futures = [streams.submit(send, base, completion(model_id, short, args.stream_tokens, stream=True), None, 900)
-               for _ in range(STREAMS)]
+    futures = [streams.submit(send, base, completion(model_id, short, args.stream_tokens, stream=True), None, 900,
+                              times) for times in text_times]
     rounds = []
     try:
         time.sleep(args.settle)  # every stream past its prefill, decoding
         for long in longs:
-            alone = first_tokens(base, short_spec, None, args.short)
+            started = time.perf_counter()
+            alone = first_tokens(base, short_spec, None, args.short, args.short_rate)
+            alone_span = (started, time.perf_counter())
             done = threading.Event()
             long_reply: list[tuple] = []
 
@@ -126,28 +151,42 @@ def beside_long_prompt(base: str, model_id: str, short: str, longs: list[str], a
                 finished.set()
 
             thread = threading.Thread(target=long_request)
+            started = time.perf_counter()
             thread.start()
-            beside = first_tokens(base, short_spec, done, 0)
+            beside = first_tokens(base, short_spec, done, 0, args.short_rate)
             thread.join()
-            rounds.append((alone, beside, long_reply[0]))
+            rounds.append((alone, beside, long_reply[0], (alone_span, (started, time.perf_counter()))))
         if any(f.done() for f in futures):
             note("warning: a stream ended before the measurements did (raise --stream-tokens)")
     finally:
         streams.shutdown(wait=True)
     lines = []
-    for index, (alone, beside, (outcome, _, long_first)) in enumerate(rounds):
+    for index, (alone, beside, (outcome, _, long_first), spans) in enumerate(rounds):
         if outcome != "ok":
             raise RuntimeError(f"the long prompt came back {outcome}")
         lines.append({"name": "serve_decode.ttft_beside_long_prompt_p99", "value": p99(beside), "baseline": p99(alone),
                       "unit": "s", "target_ratio": 2.0, "round": index,
                       "short_prompts": {"alone": len(alone), "beside": len(beside)},
                       "p50": {"alone": statistics.median(alone), "beside": statistics.median(beside)},
-                      "long_prompt_ttft_s": long_first, "streams": STREAMS})
+                      "long_prompt_ttft_s": long_first, "streams": STREAMS, "short_rate": args.short_rate})
+        gaps = dict(zip(("alone", "beside"), (gaps_within(text_times, span) for span in spans)))
+        lines.append({"name": "serve_decode.inter_token_beside_long_prompt_p99", "value": p99(gaps["beside"]),
+                      "baseline": p99(gaps["alone"]), "unit": "s", "round": index,
+                      "gaps": {kind: len(values) for kind, values in gaps.items()},
+                      "p50": {kind: statistics.median(values) for kind, values in gaps.items()},
+                      "max": {kind: max(values) for kind, values in gaps.items()},
+                      # The streams' mean seconds between texts: the decoding steps' mean length, times the
+                      # tokens per text (the same in both spans, every stream being past its answer).
+                      "mean": {kind: STREAMS * (span[1] - span[0]) / len(values)
+                               for (kind, values), span in zip(gaps.items(), spans)},
+                      "streams": STREAMS})
     if len(rounds) > 1:  # a p99 of 31 is nearly their maximum: one round's ratio says little alone
-        ratios = [line["value"] / line["baseline"] for line in lines]
-        lines.append({"name": "serve_decode.ttft_beside_long_prompt_p99_ratio", "value": statistics.mean(ratios),
-                      "baseline": 1.0, "unit": "x", "target_ratio": 2.0, "sd": statistics.stdev(ratios),
-                      "rounds": [round(r, 4) for r in ratios]})
+        for name, target in (("ttft", 2.0), ("inter_token", None)):
+            ratios = [line["value"] / line["baseline"] for line in lines
+                      if line["name"].startswith(f"serve_decode.{name}_")]
+            lines.append({"name": f"serve_decode.{name}_beside_long_prompt_p99_ratio", "value": statistics.mean(ratios),
+                          "baseline": 1.0, "unit": "x", **({"target_ratio": target} if target else {}),
+                          "sd": statistics.stdev(ratios), "rounds": [round(r, 4) for r in ratios]})
     return lines
 
 
@@ -160,6 +199,8 @@ def main() -> None:
     # As many as are measured beside the long prompt (about 31 here): a p99 is nearly a sample's maximum, and the
     # maximum of 10 against that of 31 biases the ratio up (2.09× with 10 alone, 1.93× with 31, on an AMD EPYC).
     p.add_argument("--short", type=int, default=31, help="short prompts measured alone in part 3")
+    p.add_argument("--short-rate", type=float, default=None,
+                   help="part 3's short prompts a second, whether or not the last answered (default: one after another)")
     p.add_argument("--stream-tokens", type=int, default=1024, help="each running stream's tokens in part 3")
     # The 31 streams' prompts (95 tokens each) prefill in chunks of serve.prefill_chunk_tokens (64 on a CPU) beside
     # the decoding: about 10 s on an Intel Xeon, where 5 s left some prefilling and a short prompt "alone" waited
@@ -197,9 +238,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="serve-decode-") as scratch:
         folder = Path(scratch)
         yaml_path = folder / "serve.yaml"
-        # Room for 32 sequences in part 2, and in part 3 for the 31 streams, the long prompt and a short one beside
-        # them (rows × the widest: the left-aligned cache), so that no short prompt waits for a slot.
-        rows = STREAMS + 2
+        # Room for 32 sequences in part 2, and in part 3 for the 31 streams, the long prompt and short ones beside
+        # them (up to 3 at once with --short-rate), so that no short prompt waits for a slot.
+        rows = STREAMS + 4
         yaml_path.write_text(json.dumps({
             "sources": {"base": "unused", "experts": [{"task": t, "path": "unused"} for t in config.tasks]},
             "serve": {"num_cpus": os.cpu_count() or 1, "max_batch_size": rows, "max_ongoing_requests": 64,

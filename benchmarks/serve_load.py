@@ -164,9 +164,11 @@ def _has_text(line: bytes) -> bool:
     return any(choice.get("text") or (choice.get("delta") or {}).get("content") for choice in event.get("choices", []))
 
 
-def send(base: str, spec: Spec, api_key: str | None, timeout_s: float) -> tuple[str, float, float | None]:
+def send(base: str, spec: Spec, api_key: str | None, timeout_s: float,
+         text_times: list[float] | None = None) -> tuple[str, float, float | None]:
     """One request on its own connection: its outcome, seconds to the end of the reply, and for a stream the
-    seconds to its first text (time to first token)."""
+    seconds to its first text (time to first token); `text_times` gets the perf_counter time of each event with
+    text, for the gaps between a stream's tokens."""
     url = urlsplit(base)
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     started = time.perf_counter()
@@ -184,8 +186,11 @@ def send(base: str, spec: Spec, api_key: str | None, timeout_s: float) -> tuple[
         if spec.stream and response.status == 200:
             lines = []
             while line := response.readline():
-                if first_token is None and _has_text(line):
-                    first_token = time.perf_counter() - started
+                if (first_token is None or text_times is not None) and _has_text(line):
+                    now = time.perf_counter()
+                    first_token = now - started if first_token is None else first_token
+                    if text_times is not None:
+                        text_times.append(now)
                 lines.append(line)
             payload = b"".join(lines)
         else:
