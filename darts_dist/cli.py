@@ -27,7 +27,14 @@ from darts_dist.config import (
     updated,
 )
 from darts_dist.errors import DartsError
-from darts_dist.logs import VERBOSE_ENV, init_ray, keep_local_ray_on_loopback, quiet_library_progress, show_progress_logs
+from darts_dist.logs import (
+    VERBOSE_ENV,
+    init_ray,
+    keep_local_ray_on_loopback,
+    quiet_library_notices,
+    quiet_library_progress,
+    show_progress_logs,
+)
 from darts_dist.options import add_config_flags, apply_config_flags
 from darts_dist.redaction import redacted
 
@@ -670,6 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[VERBOSE_ENV] = "1"
     show_progress_logs()
     quiet_library_progress()
+    quiet_library_notices()
     try:
         args.func(args)
     except DartsError as error:

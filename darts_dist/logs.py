@@ -137,6 +137,30 @@ def quiet_library_progress() -> None:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
+class _MergekitDtypeName(logging.Filter):
+    """mergekit writes the merged model's dtype under transformers' old name (`config.torch_dtype = ...`), and
+    transformers warns of the name on every run that merges: a notice for mergekit's authors, not for the user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "`torch_dtype` is deprecated" not in record.getMessage()
+
+
+# Library notices that tell a darts-dist user nothing: MLflow's note that it made a new sqlite store's tables (the
+# command's own "mlflow: run ... at URI" line says where it tracks), and the name above.
+_QUIET_BELOW_WARNING = ("mlflow.store.db.utils",)
+_NOTICE_FILTERS = {"transformers.configuration_utils": _MergekitDtypeName()}
+
+
+def quiet_library_notices() -> None:
+    """The libraries' notices above off in this process (the command's console), unless --verbose. Idempotent."""
+    if verbose():
+        return
+    for name in _QUIET_BELOW_WARNING:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for name, notice in _NOTICE_FILTERS.items():
+        logging.getLogger(name).addFilter(notice)  # a filter already there is not added twice
+
+
 def verbose() -> bool:
     return bool(os.environ.get(VERBOSE_ENV))
 

@@ -140,3 +140,29 @@ def test_darts_dists_lines_go_to_stderr_as_it_is_now_and_a_closed_one_leaks_noth
     written = second.getvalue()
     assert "stopped answering" in written and "http://***@127.0.0.1:5000" in written
     assert "s3cr3t" not in written and "Logging error" not in written
+
+
+# MLflow's note on a new sqlite store and transformers' warning of the dtype's old name (which mergekit writes), as
+# a command meets them: both quiet on the console, both back with --verbose.
+NOTICES = """
+import sys
+from darts_dist.logs import quiet_library_notices, show_progress_logs
+show_progress_logs()
+quiet_library_notices()
+import mlflow, torch
+from transformers import PretrainedConfig
+mlflow.MlflowClient(f"sqlite:///{sys.argv[1]}/mlflow.db").search_experiments()
+PretrainedConfig().torch_dtype = torch.float32
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbose", [False, True])
+def test_library_notices_stay_off_the_console_unless_verbose(tmp_path, verbose: bool) -> None:
+    env = {key: value for key, value in os.environ.items() if key not in (VERBOSE_ENV, "MLFLOW_TRACKING_URI")}
+    env.update({VERBOSE_ENV: "1"} if verbose else {})
+    result = subprocess.run([sys.executable, "-c", NOTICES, str(tmp_path)], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for notice in ("Creating initial MLflow database tables", "`torch_dtype` is deprecated"):
+        assert (notice in result.stderr) == verbose, (notice, result.stderr[-2000:])
