@@ -146,8 +146,10 @@ class _MergekitDtypeName(logging.Filter):
 
 
 # Library notices that tell a darts-dist user nothing: MLflow's note that it made a new sqlite store's tables (the
-# command's own "mlflow: run ... at URI" line says where it tracks), and the name above.
-_QUIET_BELOW_WARNING = ("mlflow.store.db.utils",)
+# command's own "mlflow: run ... at URI" line says where it tracks) and that it validates the registered model's
+# input example (a check darts-dist asks for: a failure is an error, and "registered: ..." says it passed), and the
+# name above.
+_QUIET_BELOW_WARNING = ("mlflow.store.db.utils", "mlflow.pyfunc")
 _NOTICE_FILTERS = {"transformers.configuration_utils": _MergekitDtypeName()}
 
 
