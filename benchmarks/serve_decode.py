@@ -104,10 +104,13 @@ def first_tokens(base: str, spec: Spec, until: threading.Event | None, count: in
         while more(len(replies)):
             replies.append(send(base, spec, None, 600))
     else:
+        stop = until or threading.Event()  # never set where `count` bounds the prompts
         started, futures = time.perf_counter(), []
         with ThreadPoolExecutor(32) as pool:
             while more(len(futures)):
-                time.sleep(max(0.0, started + len(futures) / rate - time.perf_counter()))
+                # Woken when the span ends: no prompt leaves after the span it is measured in.
+                if stop.wait(max(0.0, started + len(futures) / rate - time.perf_counter())) and futures:
+                    break
                 futures.append(pool.submit(send, base, spec, None, 600))
         replies = [future.result() for future in futures]
     for outcome, _, first in replies:
@@ -164,19 +167,22 @@ def beside_long_prompt(base: str, model_id: str, short: str, longs: list[str], a
     for index, (alone, beside, (outcome, _, long_first), spans) in enumerate(rounds):
         if outcome != "ok":
             raise RuntimeError(f"the long prompt came back {outcome}")
+        gaps = dict(zip(("alone", "beside"), (gaps_within(text_times, span) for span in spans)))
+        if not all(gaps.values()):
+            raise RuntimeError("no stream wrote text during a span: the streams ended early (raise --stream-tokens)")
         lines.append({"name": "serve_decode.ttft_beside_long_prompt_p99", "value": p99(beside), "baseline": p99(alone),
                       "unit": "s", "target_ratio": 2.0, "round": index,
                       "short_prompts": {"alone": len(alone), "beside": len(beside)},
                       "p50": {"alone": statistics.median(alone), "beside": statistics.median(beside)},
                       "long_prompt_ttft_s": long_first, "streams": STREAMS, "short_rate": args.short_rate})
-        gaps = dict(zip(("alone", "beside"), (gaps_within(text_times, span) for span in spans)))
         lines.append({"name": "serve_decode.inter_token_beside_long_prompt_p99", "value": p99(gaps["beside"]),
                       "baseline": p99(gaps["alone"]), "unit": "s", "round": index,
                       "gaps": {kind: len(values) for kind, values in gaps.items()},
                       "p50": {kind: statistics.median(values) for kind, values in gaps.items()},
                       "max": {kind: max(values) for kind, values in gaps.items()},
                       # The streams' mean seconds between texts: the decoding steps' mean length, times the
-                      # tokens per text (the same in both spans, every stream being past its answer).
+                      # tokens per text (the same in both spans, every stream being past its answer). It counts every
+                      # stream for the whole span: one that ended early (a warning above) would inflate it.
                       "mean": {kind: STREAMS * (span[1] - span[0]) / len(values)
                                for (kind, values), span in zip(gaps.items(), spans)},
                       "streams": STREAMS})
@@ -239,7 +245,7 @@ def main() -> None:
         folder = Path(scratch)
         yaml_path = folder / "serve.yaml"
         # Room for 32 sequences in part 2, and in part 3 for the 31 streams, the long prompt and short ones beside
-        # them (up to 3 at once with --short-rate), so that no short prompt waits for a slot.
+        # them (up to 3 at once: 1.5 a second of --short-rate, answered within 0.8 s), so that none waits for a slot.
         rows = STREAMS + 4
         yaml_path.write_text(json.dumps({
             "sources": {"base": "unused", "experts": [{"task": t, "path": "unused"} for t in config.tasks]},

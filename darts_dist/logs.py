@@ -137,30 +137,35 @@ def quiet_library_progress() -> None:
         sys.modules["huggingface_hub"].utils.disable_progress_bars()
 
 
-class _MergekitDtypeName(logging.Filter):
-    """mergekit writes the merged model's dtype under transformers' old name (`config.torch_dtype = ...`), and
-    transformers warns of the name on every run that merges: a notice for mergekit's authors, not for the user."""
+class _Notices(logging.Filter):
+    """Drops a library logger's records that begin with one of `messages`, and no other."""
+
+    def __init__(self, *messages: str) -> None:
+        super().__init__()
+        self.messages = messages
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "`torch_dtype` is deprecated" not in record.getMessage()
+        return not record.getMessage().startswith(self.messages)
 
 
-# Library notices that tell a darts-dist user nothing: MLflow's note that it made a new sqlite store's tables (the
-# command's own "mlflow: run ... at URI" line says where it tracks) and that it validates the registered model's
-# input example (a check darts-dist asks for: a failure is an error, and "registered: ..." says it passed), and the
-# name above.
-_QUIET_BELOW_WARNING = ("mlflow.store.db.utils", "mlflow.pyfunc")
-_NOTICE_FILTERS = {"transformers.configuration_utils": _MergekitDtypeName()}
+# Library notices that tell a darts-dist user nothing, by logger: transformers' warning of the dtype's old name,
+# which mergekit writes into every merged config (`config.torch_dtype = ...`: a notice for mergekit's authors);
+# MLflow's notes that it made a new sqlite store's tables (the command's own "mlflow: run ... at URI" line says where
+# it tracks) and that it validates a registered model's input example (a check darts-dist asks for: a failure is an
+# error, and "registered: ..." says it passed). Their loggers' other lines stay.
+_NOTICES = {
+    "transformers.configuration_utils": _Notices("`torch_dtype` is deprecated"),
+    "mlflow.store.db.utils": _Notices("Creating initial MLflow database tables", "Updating database tables"),
+    "mlflow.pyfunc": _Notices("Validating input example against model signature"),
+}
 
 
 def quiet_library_notices() -> None:
     """The libraries' notices above off in this process (the command's console), unless --verbose. Idempotent."""
     if verbose():
         return
-    for name in _QUIET_BELOW_WARNING:
-        logging.getLogger(name).setLevel(logging.WARNING)
-    for name, notice in _NOTICE_FILTERS.items():
-        logging.getLogger(name).addFilter(notice)  # a filter already there is not added twice
+    for name, notices in _NOTICES.items():
+        logging.getLogger(name).addFilter(notices)  # a filter already there is not added twice
 
 
 def verbose() -> bool:

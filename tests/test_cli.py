@@ -87,7 +87,7 @@ def test_tiny_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert "\r" not in result.stderr and max(map(len, result.stderr.splitlines())) <= 300
     assert "Generating train split" not in result.stderr and "Loading weights" not in result.stderr
     # Nor the libraries' notices to their own authors (MLflow's new tables, the dtype's old name mergekit writes).
-    for notice in ("Creating initial MLflow database tables", "Validating input example", "is deprecated"):
+    for notice in ("Creating initial MLflow database tables", "Validating input example", "`torch_dtype` is deprecated"):
         assert notice not in result.stderr, notice
     # The run folder is complete without its report (written elsewhere here): it serves as it is.
     source, run_config = resolve_model(str(run_dir))

@@ -142,10 +142,11 @@ def test_darts_dists_lines_go_to_stderr_as_it_is_now_and_a_closed_one_leaks_noth
     assert "s3cr3t" not in written and "Logging error" not in written
 
 
-# MLflow's note on a new sqlite store and transformers' warning of the dtype's old name (which mergekit writes), as
-# a command meets them: both quiet on the console, both back with --verbose.
+# MLflow's notes on a new sqlite store and transformers' warning of the dtype's old name (which mergekit writes), as
+# a command meets them, and a line of MLflow's registration as its logger writes it (the real one: the tiny demo's
+# test): quiet on the console, back with --verbose; the same loggers' other lines stay.
 NOTICES = """
-import sys
+import logging, sys
 from darts_dist.logs import quiet_library_notices, show_progress_logs
 show_progress_logs()
 quiet_library_notices()
@@ -153,6 +154,8 @@ import mlflow, torch
 from transformers import PretrainedConfig
 mlflow.MlflowClient(f"sqlite:///{sys.argv[1]}/mlflow.db").search_experiments()
 PretrainedConfig().torch_dtype = torch.float32
+logging.getLogger("mlflow.pyfunc").info("Validating input example against model signature")
+logging.getLogger("mlflow.pyfunc").warning("another pyfunc line")
 """
 
 
@@ -164,5 +167,6 @@ def test_library_notices_stay_off_the_console_unless_verbose(tmp_path, verbose: 
     result = subprocess.run([sys.executable, "-c", NOTICES, str(tmp_path)], capture_output=True, text=True, env=env,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    for notice in ("Creating initial MLflow database tables", "`torch_dtype` is deprecated"):
+    for notice in ("Creating initial MLflow database tables", "`torch_dtype` is deprecated", "Validating input example"):
         assert (notice in result.stderr) == verbose, (notice, result.stderr[-2000:])
+    assert "another pyfunc line" in result.stderr
